@@ -1,0 +1,53 @@
+"""fsdp-compat: FSDP2 wrap plans that cannot crash, and adapters that put them into verl and SkyRL.
+
+The package imports lazily: ``import fsdp_compat`` costs almost nothing and imports no torch, because the
+``.pth`` start-up hook imports :mod:`fsdp_compat.activation` in every Python process of an environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "plan_wrap": "fsdp_compat.plan",
+    "select_wrap_targets": "fsdp_compat.plan",
+    "WrapPlan": "fsdp_compat.plan",
+    "Group": "fsdp_compat.plan",
+    "RootEntry": "fsdp_compat.plan",
+    "apply_fsdp2": "fsdp_compat.apply",
+    "audit_raw_reads": "fsdp_compat.audit",
+    "RawRead": "fsdp_compat.analysis",
+    "Policy": "fsdp_compat.policies",
+    "Auto": "fsdp_compat.policies",
+    "Legacy": "fsdp_compat.policies",
+    "InputOnly": "fsdp_compat.policies",
+    "LayersOnly": "fsdp_compat.policies",
+    "POLICY_NAMES": "fsdp_compat.policies",
+    "FsdpCompatError": "fsdp_compat.errors",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+if TYPE_CHECKING:
+    from fsdp_compat.analysis import RawRead
+    from fsdp_compat.apply import apply_fsdp2
+    from fsdp_compat.audit import audit_raw_reads
+    from fsdp_compat.errors import FsdpCompatError
+    from fsdp_compat.plan import Group, RootEntry, WrapPlan, plan_wrap, select_wrap_targets
+    from fsdp_compat.policies import POLICY_NAMES, Auto, InputOnly, LayersOnly, Legacy, Policy
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'fsdp_compat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,545 @@
+"""The wrap planner: which modules get their own ``fully_shard`` group, in which order, and why.
+
+The invariant it guarantees (policy ``auto``): a module owns a group only if every read of its parameters happens
+while that group is unsharded. Evidence comes from :mod:`fsdp_compat.analysis`; every decision carries a reason;
+the finished plan is checked against the evidence once more before it is returned, so a planning bug degrades to
+"kept in the root", never to a crash. A plan is a plain value: printable, comparable, testable without a process
+group. Only :mod:`fsdp_compat.apply` touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fsdp_compat.analysis import RawRead, find_raw_reads
+from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.policies import Auto, InputOnly, LayersOnly, Legacy, Policy, resolve_policy
+from fsdp_compat.tree import ModuleTree
+
+LayerClasses = Iterable[str | type] | str | type | None
+Key = tuple[str, ...]  # the member paths of one group
+
+
+@dataclass(frozen=True)
+class Group:
+    """One ``fully_shard`` call: its modules, why they are grouped, and the parameters it manages."""
+
+    modules: tuple[nn.Module, ...]
+    paths: tuple[str, ...]
+    reason: str
+    kind: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    num_params: int = 0
+    num_bytes: int = 0
+
+    @property
+    def name(self) -> str:
+        return " + ".join(p or "<root>" for p in self.paths)
+
+
+@dataclass(frozen=True)
+class RootEntry:
+    """A candidate that did not get its own group: where its parameters live instead, and why."""
+
+    path: str
+    num_params: int
+    reason: str
+    enclosing: str = ""  # the group that holds it ("" = the root group)
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    """The planner's answer. ``groups`` are in bottom-up order; the root group is applied last."""
+
+    model_class: str
+    policy: str
+    layer_classes: tuple[str, ...]
+    groups: tuple[Group, ...]
+    root: tuple[RootEntry, ...]
+    root_params: int
+    root_bytes: int
+    total_params: int
+    total_bytes: int
+    evidence: tuple[RawRead, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def flat_targets(self) -> list[nn.Module]:
+        """What a framework selector may wrap one by one: single-module groups without their own kwargs."""
+        return [g.modules[0] for g in self.groups if len(g.modules) == 1 and not g.overrides]
+
+    def group_paths(self) -> list[tuple[str, ...]]:
+        return [g.paths for g in self.groups]
+
+    def per_rank_bytes(self, world_size: int) -> dict[str, int]:
+        """Analytic per-rank parameter bytes: at rest (all sharded) and an estimate of the forward peak.
+
+        Peak = resident + the parts that are unsharded at once: the root group (unsharded for the whole forward),
+        groups that keep ``reshard_after_forward=False``, and the largest other group twice (the running one and
+        the prefetched next one).
+        """
+        if world_size < 1:
+            raise FsdpCompatError(f"world_size must be >= 1, got {world_size}")
+        resident = self.total_bytes // world_size
+        no_reshard = sum(g.num_bytes for g in self.groups if g.overrides.get("reshard_after_forward") is False)
+        others = [g.num_bytes for g in self.groups if g.overrides.get("reshard_after_forward") is not False]
+        unsharded = self.root_bytes + no_reshard + 2 * max(others, default=0)
+        extra = unsharded - unsharded // world_size
+        return {"resident": resident, "peak_forward": resident + extra}
+
+    def __str__(self) -> str:
+        lines = [
+            f"WrapPlan for {self.model_class} (policy {self.policy}; layer classes: "
+            f"{', '.join(self.layer_classes) or '-'})",
+            f"  {'#':>3}  {'group (bottom-up)':<54} {'params':>10}  {'kind':<16} reason",
+        ]
+        for index, group in enumerate(self.groups, 1):
+            extra = "".join(f" [{k}={v}]" for k, v in group.overrides.items())
+            lines.append(
+                f"  {index:>3}  {_clip(group.name, 54):<54} {group.num_params:>10,}  {group.kind:<16} "
+                f"{group.reason}{extra}"
+            )
+        lines.append(
+            f"  {'':>3}  {'<root> (fully_shard(model), applied last)':<54} {self.root_params:>10,}  "
+            f"{'root':<16} unsharded for the whole forward"
+        )
+        lines.append(f"  groups: {len(self.groups)} + root; parameters: {self.total_params:,}")
+        if self.root:
+            lines.append("  not their own group:")
+            for entry in self.root:
+                where = entry.enclosing or "<root>"
+                lines.append(f"    - {entry.path} ({entry.num_params:,} params, now in {where}): {entry.reason}")
+        for warning in self.warnings:
+            lines.append(f"  warning: {warning}")
+        return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def resolve_layer_classes(model: nn.Module, layer_classes: LayerClasses) -> tuple[str, ...]:
+    """Names of the layer classes; ``None`` means ``model._no_split_modules`` (a list or, in transformers 5, a set).
+
+    Names that match no module are normal (configs list classes a given model may not build); none matching at all
+    is an error that lists the model's classes.
+    """
+    if layer_classes is None:
+        layer_classes = getattr(model, "_no_split_modules", None) or ()
+    if isinstance(layer_classes, (str, type)):
+        layer_classes = [layer_classes]
+    names = tuple(sorted({c if isinstance(c, str) else c.__name__ for c in layer_classes if c is not None}))
+    present = sorted({type(m).__name__ for m in model.modules()})
+    if not names:
+        raise FsdpCompatError(
+            f"{type(model).__name__} declares no layer classes (no _no_split_modules): pass layer_classes=[...] "
+            f"naming its repeated block class. Its module classes are: {', '.join(present)}"
+        )
+    if not set(names) & set(present):
+        raise FsdpCompatError(
+            f"none of the layer classes {list(names)} matches a module of {type(model).__name__}; fix "
+            f"layer_classes (or wrap_policy.transformer_layer_cls_to_wrap) to name its repeated block class. "
+            f"Its module classes are: {', '.join(present)}"
+        )
+    return names
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise FsdpCompatError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    wrapped = [path or "<root>" for path, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if wrapped:
+        raise FsdpCompatError(
+            f"{type(model).__name__} is already wrapped by FSDP2 (fully_shard was applied to {wrapped[:3]}); plan "
+            "and apply on the unwrapped model, once"
+        )
+
+
+def _tied(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def _getter(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        module = getattr(model, name)()
+    except Exception:
+        return None
+    return module if isinstance(module, nn.Module) else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Candidate selection
+
+
+def _layer_candidates(tree: ModuleTree, names: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    return {
+        path: ("layer", f"layer class {type(m).__name__}")
+        for path, m in tree.modules.items()
+        if path and type(m).__name__ in names
+    }
+
+
+def _select(tree: ModuleTree, names: tuple[str, ...], policy: Policy) -> dict[str, tuple[str, str]]:
+    """Candidates (path -> (kind, reason)) under ``policy``."""
+    model = tree.model
+    chosen = _layer_candidates(tree, names)
+    untied = not _tied(model)
+    if isinstance(policy, Legacy):
+        if untied:
+            for path, m in tree.modules.items():
+                leaf = path.rsplit(".", 1)[-1]
+                if path in chosen or not path:
+                    continue
+                if isinstance(m, nn.Embedding):
+                    chosen[path] = ("embedding", "nn.Embedding, tie_word_embeddings false (upstream rule)")
+                elif policy.output_embeddings and leaf in ("embed_tokens", "lm_head") and hasattr(m, "weight"):
+                    chosen[path] = ("by-name", f"leaf named {leaf} (upstream rule)")
+    elif isinstance(policy, InputOnly):
+        embedding = _getter(model, "get_input_embeddings")
+        if untied and embedding is not None and id(embedding) in tree.path_of:
+            chosen.setdefault(tree.path_of[id(embedding)], ("embedding", "input embedding, untied"))
+    elif isinstance(policy, Auto):
+        for path, m in tree.modules.items():
+            if path and path not in chosen and isinstance(m, nn.Embedding):
+                chosen[path] = ("embedding", "nn.Embedding")
+        output = _getter(model, "get_output_embeddings") if policy.wrap_output_embeddings else None
+        if output is not None and id(output) in tree.path_of:
+            path = tree.path_of[id(output)]
+            if path and path not in chosen and any(p is not None for p in output._parameters.values()):
+                chosen[path] = ("output-embedding", "output embedding")
+    elif not isinstance(policy, LayersOnly):
+        raise FsdpCompatError(f"policy {policy!r} is not supported by this version of fsdp-compat")
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The auto policy's decisions
+
+
+@dataclass
+class _Decisions:
+    roots: dict[Key, tuple[str, str, dict[str, Any]]] = field(default_factory=dict)  # key -> kind, reason, kw
+    kept: dict[str, str] = field(default_factory=dict)  # candidate path -> why it has no group of its own
+
+    def member_key(self) -> dict[str, Key]:
+        return {path: key for key in self.roots for path in key}
+
+    def group_of(self, tree: ModuleTree, path: str, members: dict[str, Key] | None = None) -> Key:
+        members = members if members is not None else self.member_key()
+        if path in members:
+            return members[path]
+        for ancestor in tree.ancestors(path):
+            if ancestor in members:
+                return members[ancestor]
+        return ("",)
+
+    def drop(self, key: Key, reason: str) -> None:
+        self.roots.pop(key, None)
+        for path in key:
+            self.kept.setdefault(path, reason)
+
+
+def _forbidden(tree: ModuleTree, events: Iterable[RawRead]) -> dict[str, list[RawRead]]:
+    """Modules that may NOT be a group root, each with the evidence that forbids it."""
+    forbidden: dict[str, list[RawRead]] = {}
+    for event in events:
+        if event.kind == "opaque":
+            nodes = [p for p in tree.modules if p != event.reader and tree.is_ancestor_or_self(event.reader, p)]
+        else:
+            top = tree.lca(event.reader, event.owner)
+            nodes = tree.path_between(event.owner, top, include_low=event.kind == "raw-read")
+        for node in nodes:
+            forbidden.setdefault(node, []).append(event)
+    return forbidden
+
+
+def _lift_target(tree: ModuleTree, events: list[RawRead]) -> str:
+    """The highest module whose window covers every read in ``events``."""
+    tops = [e.reader if e.kind == "opaque" else tree.lca(e.reader, e.owner) for e in events]
+    return min(tops, key=tree.depth)
+
+
+def _subtree_bytes(tree: ModuleTree, path: str) -> int:
+    return sum(p.numel() * p.element_size() for _, p in tree.subtree_params(path))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _decide_auto(
+    tree: ModuleTree, candidates: dict[str, tuple[str, str]], events: list[RawRead], policy: Auto
+) -> _Decisions:
+    forbidden = _forbidden(tree, events)
+    decisions = _Decisions()
+    for path in sorted(candidates, key=lambda p: -tree.depth(p)):
+        kind, reason = candidates[path]
+        blockers = forbidden.get(path)
+        if not blockers:
+            decisions.roots.setdefault((path,), (kind, reason, {}))
+            continue
+        evidence = blockers[0].describe()
+        if policy.allow_no_reshard and all(
+            e.kind == "raw-read" and path in e.after_forward_of for e in blockers
+        ):
+            decisions.roots[(path,)] = (
+                "no-reshard",
+                f"{reason}; read again after its own forward ({evidence}): kept unsharded until backward",
+                {"reshard_after_forward": False},
+            )
+            continue
+        target = _lift_target(tree, blockers)
+        size = _subtree_bytes(tree, path)
+        if target and target not in forbidden and size >= policy.lift_min_bytes:
+            previous = decisions.roots.get((target,))
+            note = f"lifted {path} ({_fmt_bytes(size)}): {evidence}"
+            if previous is None:
+                decisions.roots[(target,)] = ("lifted", f"reader of {note}", {})
+            else:
+                decisions.roots[(target,)] = (previous[0], f"{previous[1]}; {note}", previous[2])
+            decisions.kept[path] = f"{evidence}; lifted into the reader's group"
+        elif target and target not in forbidden:
+            decisions.kept[path] = (
+                f"{evidence}; a group of its own would be sharded there. Lifting it to {target} would add an "
+                f"all-gather for {_fmt_bytes(size)} (< lift_min_bytes {_fmt_bytes(policy.lift_min_bytes)}), "
+                "so it stays in the enclosing group"
+            )
+        else:
+            decisions.kept[path] = (
+                f"{evidence}; a group of its own would be sharded there, and no module below the root covers "
+                "every read, so it stays in the enclosing group"
+            )
+    _keep_sharers_together(tree, decisions, forbidden, allow_groups=policy.allow_shared_groups)
+    _enforce_evidence(tree, decisions, events)
+    return decisions
+
+
+def _keep_sharers_together(
+    tree: ModuleTree, decisions: _Decisions, forbidden: dict[str, list[RawRead]], *, allow_groups: bool
+) -> None:
+    """Invariant 2: modules holding the same Parameter object live in one group (or all in an enclosing one)."""
+    sharer_sets = {
+        tuple(sorted({path for path, _ in owners}))
+        for owners in tree.param_owners.values()
+        if len({path for path, _ in owners}) > 1
+    }
+    for _ in range(len(sharer_sets) + 2):
+        changed = False
+        for sharers in sorted(sharer_sets):
+            members = decisions.member_key()
+            groups = {decisions.group_of(tree, s, members) for s in sharers}
+            if len(groups) == 1:
+                continue
+            changed = True
+            nested = any(
+                a != b and tree.is_ancestor_or_self(a, b) and a for a in sharers for b in sharers
+            )
+            touched = [k for k in groups if k != ("",)]
+            if allow_groups and not nested and not any(s in forbidden for s in sharers) and any(
+                (s,) in decisions.roots for s in sharers
+            ):
+                reasons = [decisions.roots[(s,)][1] for s in sharers if (s,) in decisions.roots]
+                for s in sharers:
+                    decisions.roots.pop((s,), None)
+                    decisions.kept.pop(s, None)
+                for key in touched:
+                    if len(key) > 1 and set(key) & set(sharers):
+                        decisions.roots.pop(key, None)
+                decisions.roots[tuple(sharers)] = (
+                    "shared",
+                    f"hold one Parameter object ({reasons[0]}): one group for all",
+                    {},
+                )
+                continue
+            top = sharers[0]
+            for s in sharers[1:]:
+                top = tree.lca(top, s)
+            why = f"shares a Parameter with {', '.join(x for x in sharers if x)}; kept with them in an enclosing group"
+            for s in sharers:
+                for node in [s, *tree.path_between(s, top, include_low=False)] if s != top else []:
+                    for key in list(decisions.roots):
+                        if node in key:
+                            decisions.drop(key, why)
+        if not changed:
+            return
+
+
+def _violation(tree: ModuleTree, decisions: _Decisions, event: RawRead, members: dict[str, Key]) -> Key | None:
+    """The group key that breaks ``event``'s window, or None when the plan covers it."""
+    if event.kind == "opaque":
+        for key in decisions.roots:
+            if any(p != event.reader and tree.is_ancestor_or_self(event.reader, p) for p in key):
+                return key
+        return None
+    key = decisions.group_of(tree, event.owner, members)
+    if key == ("",):
+        return None
+    if event.kind == "call" and event.owner in key:
+        return None
+    if any(tree.is_ancestor_or_self(member, event.reader) for member in key):
+        return None
+    return key
+
+
+def _enforce_evidence(tree: ModuleTree, decisions: _Decisions, events: list[RawRead]) -> None:
+    """Re-check the finished plan against every piece of evidence; drop any group that would be sharded at a read."""
+    for _ in range(len(decisions.roots) + 1):
+        members = decisions.member_key()
+        bad = [(e, k) for e in events if (k := _violation(tree, decisions, e, members)) is not None]
+        if not bad:
+            return
+        for event, key in bad:
+            if key in decisions.roots and decisions.roots[key][2].get("reshard_after_forward") is False:
+                if event.kind == "raw-read" and any(p in event.after_forward_of for p in key):
+                    continue
+            decisions.drop(key, f"{event.describe()}; its group would be sharded there")
+        if all(
+            k in decisions.roots
+            and decisions.roots[k][2].get("reshard_after_forward") is False
+            and e.kind == "raw-read"
+            and any(p in e.after_forward_of for p in k)
+            for e, k in bad
+        ):
+            return
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ordering and accounting
+
+
+def _bottom_up(tree: ModuleTree, keys: list[Key]) -> list[Key]:
+    """Children before parents; a group that must come both before and after another is an impossible plan."""
+    ordered = sorted(keys, key=lambda k: (max(tree.post_order[p] for p in k), k))
+    for i, early in enumerate(ordered):
+        for late in ordered[i + 1 :]:
+            if any(tree.is_ancestor_or_self(a, b) and a != b for a in early for b in late):
+                raise FsdpCompatError(
+                    f"cannot order groups {early} and {late} bottom-up; please report this model"
+                )
+    return ordered
+
+
+def _account(
+    tree: ModuleTree, decisions: _Decisions
+) -> tuple[dict[Key, tuple[int, int]], tuple[int, int], tuple[int, int], dict[str, str]]:
+    members = decisions.member_key()
+    sizes: dict[Key, list[int]] = {key: [0, 0] for key in decisions.roots}
+    root = [0, 0]
+    total = [0, 0]
+    for pid, owners in tree.param_owners.items():
+        param = tree.params[pid]
+        numel, nbytes = param.numel(), param.numel() * param.element_size()
+        total[0] += numel
+        total[1] += nbytes
+        key = decisions.group_of(tree, owners[0][0], members)
+        bucket = root if key == ("",) else sizes[key]
+        bucket[0] += numel
+        bucket[1] += nbytes
+    enclosing = {
+        path: " + ".join(k for k in decisions.group_of(tree, path, members) if k) for path in decisions.kept
+    }
+    return (
+        {k: (v[0], v[1]) for k, v in sizes.items()},
+        (root[0], root[1]),
+        (total[0], total[1]),
+        enclosing,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: str | Policy = "auto") -> WrapPlan:
+    """Decide which modules of ``model`` get their own FSDP2 group, bottom-up, each with a reason."""
+    _check_model(model)
+    chosen_policy = resolve_policy(policy)
+    names = resolve_layer_classes(model, layer_classes)
+    tree = ModuleTree.build(model)
+    candidates = _select(tree, names, chosen_policy)
+    evidence: tuple[RawRead, ...] = ()
+    warnings: list[str] = []
+    if isinstance(chosen_policy, Auto):
+        analysis = find_raw_reads(model, tree)
+        evidence = tuple(e for e in analysis.events if e.kind != "call" or _skips_levels(tree, e))
+        for path, why in sorted(analysis.opaque.items()):
+            warnings.append(
+                f"cannot read the source of {path or '<root>'} ({why}); assumed it may read any parameter "
+                "below it, so nothing below it gets a group of its own there"
+            )
+        decisions = _decide_auto(tree, candidates, analysis.events, chosen_policy)
+    else:
+        decisions = _Decisions(roots={(p,): (kind, reason, {}) for p, (kind, reason) in candidates.items()})
+    order = _bottom_up(tree, list(decisions.roots))
+    sizes, root_size, total_size, enclosing = _account(tree, decisions)
+    groups = tuple(
+        Group(
+            modules=tuple(tree.modules[p] for p in key),
+            paths=key,
+            reason=decisions.roots[key][1],
+            kind=decisions.roots[key][0],
+            overrides=dict(decisions.roots[key][2]),
+            num_params=sizes[key][0],
+            num_bytes=sizes[key][1],
+        )
+        for key in order
+    )
+    in_groups = {p for key in decisions.roots for p in key}
+    root_entries = tuple(
+        RootEntry(
+            path=path,
+            num_params=sum(p.numel() for _, p in tree.subtree_params(path)),
+            reason=why,
+            enclosing=enclosing.get(path, ""),
+        )
+        for path, why in sorted(decisions.kept.items())
+        if path not in in_groups
+    )
+    return WrapPlan(
+        model_class=type(model).__name__,
+        policy=chosen_policy.name,
+        layer_classes=names,
+        groups=groups,
+        root=root_entries,
+        root_params=root_size[0],
+        root_bytes=root_size[1],
+        total_params=total_size[0],
+        total_bytes=total_size[1],
+        evidence=evidence,
+        warnings=tuple(warnings),
+    )
+
+
+def _skips_levels(tree: ModuleTree, event: RawRead) -> bool:
+    return bool(tree.path_between(event.owner, tree.lca(event.reader, event.owner), include_low=False))
+
+
+def select_wrap_targets(
+    model: nn.Module, layer_classes: LayerClasses = None, *, policy: str | Policy = "auto"
+) -> list[nn.Module]:
+    """The flat, bottom-up list a framework selector returns: modules to ``fully_shard`` one at a time.
+
+    Groups that need several modules at once or their own kwargs are left out (their parameters then stay in an
+    enclosing group, which is always safe); :func:`fsdp_compat.apply_fsdp2` applies them fully.
+    """
+    chosen = resolve_policy(policy)
+    if isinstance(chosen, Auto):
+        # Plan for what a one-module-at-a-time loop can do, so that sharers stay together in this view too.
+        chosen = dataclasses.replace(chosen, allow_no_reshard=False, allow_shared_groups=False)
+    return plan_wrap(model, layer_classes, policy=chosen).flat_targets()

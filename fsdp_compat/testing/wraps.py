@@ -1,0 +1,114 @@
+"""Wrap functions for :func:`fsdp_compat.testing.harness.run_training`, named as ``"module:function"``.
+
+``core_<policy>(model, fsdp_kwargs)`` applies fsdp-compat's own planner with that policy and returns the plan as
+text. The ``_test_*`` functions are test-only: hand-written ``fully_shard`` wraps that do not depend on the planner
+(so the harness can be checked on its own), and ranks that raise or hang on purpose.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch import nn
+
+__all__ = ["core_auto", "core_input_only", "core_layers_only", "core_legacy", "core_legacy_skyrl"]
+
+
+def _core(model: nn.Module, fsdp_kwargs: dict[str, Any], policy: str) -> str:
+    from fsdp_compat.apply import apply_fsdp2
+
+    return str(apply_fsdp2(model, fsdp_kwargs, policy=policy))
+
+
+def core_auto(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """fsdp-compat's default plan."""
+    return _core(model, fsdp_kwargs, "auto")
+
+
+def core_legacy(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """The verl>=0.7.1 selection rule (crashes on GLM4V; for demonstrations)."""
+    return _core(model, fsdp_kwargs, "legacy")
+
+
+def core_legacy_skyrl(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """The SkyRL / verl 0.4-0.7.0 selection rule (crashes on GLM4V; for demonstrations)."""
+    return _core(model, fsdp_kwargs, "legacy-skyrl")
+
+
+def core_input_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """Layers plus only get_input_embeddings() (the proposed upstream fix)."""
+    return _core(model, fsdp_kwargs, "input-only")
+
+
+def core_layers_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """Layers only; everything else stays in the root."""
+    return _core(model, fsdp_kwargs, "layers-only")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Test-only helpers: hand-written fully_shard wraps, independent of fsdp_compat's planner.
+
+
+def _layer_classes(model: nn.Module) -> set[str]:
+    return set(getattr(model, "_no_split_modules", None) or ())
+
+
+def _shard_bottom_up(model: nn.Module, targets: list[nn.Module], fsdp_kwargs: dict[str, Any]) -> list[str]:
+    from torch.distributed.fsdp import fully_shard
+
+    chosen = {id(m) for m in targets}
+    paths = [p for p, m in model.named_modules() if id(m) in chosen and m is not model]
+    by_path = dict(model.named_modules())
+    for path in sorted(paths, key=lambda p: -p.count(".")):  # deepest first: children before parents
+        fully_shard(by_path[path], **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return paths
+
+
+def _test_every_embedding(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """Test-only legacy-like wrap: every layer and every nn.Embedding its own group (crashes on GLM4V)."""
+    layers = _layer_classes(model)
+    targets = [m for m in model.modules() if type(m).__name__ in layers or isinstance(m, nn.Embedding)]
+    return _shard_bottom_up(model, targets, fsdp_kwargs)
+
+
+def _test_layers_and_input(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """Test-only safe wrap: every layer plus get_input_embeddings() (exact parity on GLM4V)."""
+    layers = _layer_classes(model)
+    targets = [m for m in model.modules() if type(m).__name__ in layers]
+    targets.append(model.get_input_embeddings())
+    return _shard_bottom_up(model, targets, fsdp_kwargs)
+
+
+def _test_root_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """Test-only: one group, the root."""
+    return _shard_bottom_up(model, [], fsdp_kwargs)
+
+
+def _test_raise_on_rank1(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """Test-only: rank 1 raises a recognisable error; the other ranks wrap safely and then block in a collective."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("deliberate failure on rank 1 (fsdp_compat test helper)")
+    return _test_layers_and_input(model, fsdp_kwargs)
+
+
+def _test_hang_on_rank1(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """Test-only: rank 1 sleeps forever (until killed); the others wait for it in the first collective."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        while True:
+            time.sleep(3600)
+    return _test_layers_and_input(model, fsdp_kwargs)
+
+
+def _test_probe() -> dict[str, Any]:
+    """Test-only probe: reports this rank's identity."""
+    import os
+
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "pid": os.getpid()}

@@ -1,0 +1,428 @@
+"""Tiny real transformers models, built from their config classes, for plan and FSDP2 parity tests.
+
+Each entry is a real architecture (or a documented minimal subclass of one) shrunk until one training step takes
+well under a second on CPU, so the bug classes fsdp-compat guards against can be reproduced on real code: GLM4V's
+raw read of the vision position table, tied and shared Parameters, a large auxiliary embedding used through its
+forward, and a fused-kernel style raw read of ``lm_head.weight`` in the root forward.
+
+Models are fp32, in train mode with dropout off, and depend only on ``seed``. Works with transformers 5.x and,
+for ``glm4v``, ``glm4v-tied`` and the Qwen2 entries, with transformers 4.57.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ZOO", "ZooModel", "build_model", "make_batch", "zoo_names"]
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """What a zoo entry is and what a test may assume about it."""
+
+    name: str
+    description: str
+    only_input_embedding: bool  # True when the model's only nn.Embedding is get_input_embeddings()
+
+
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel(
+            "glm4v",
+            "Glm4vForConditionalGeneration, untied; the vision embeddings read position_embedding.weight raw "
+            "and feed it to F.grid_sample (the verl/SkyRL FSDP2 crash).",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "glm4v-tied",
+            "glm4v with top-level tie_word_embeddings=True: lm_head.weight is embed_tokens.weight (one Parameter).",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "glm4v-moe",
+            "Glm4vMoeForConditionalGeneration, untied, 4 routed experts; same raw vision position read as glm4v.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "qwen2",
+            "Qwen2ForCausalLM, untied control: its only nn.Embedding is the input embedding.",
+            only_input_embedding=True,
+        ),
+        ZooModel(
+            "gemma3n",
+            "Gemma3nForCausalLM (text), untied, with the large per-layer embedding embed_tokens_per_layer used "
+            "through its own forward (must stay shardable).",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "qwen2-fused-lmhead",
+            "Qwen2ForCausalLM subclass whose forward computes logits as F.linear(hidden, self.lm_head.weight): a "
+            "raw read of lm_head.weight in the root forward, like verl's fused kernels.",
+            only_input_embedding=True,
+        ),
+        ZooModel(
+            "t5-shared",
+            "T5ForConditionalGeneration in the transformers-4 / flan-t5 state: shared, encoder.embed_tokens and "
+            "decoder.embed_tokens are one Parameter, lm_head untied, config.tie_word_embeddings False; the "
+            "relative_attention_bias tables are further embeddings, used through their forward.",
+            only_input_embedding=False,
+        ),
+    )
+}
+
+
+def zoo_names() -> list[str]:
+    """The zoo's model names, in a stable order."""
+    return list(ZOO)
+
+
+def _tf_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def _rope(theta: float, *, partial: float | None = None, mrope: list[int] | None = None) -> dict[str, Any]:
+    """Rope settings as config kwargs: ``rope_parameters`` in transformers 5, ``rope_theta``/``rope_scaling`` in 4."""
+    if _tf_major() >= 5:
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        if partial is not None:
+            params["partial_rotary_factor"] = partial
+        if mrope is not None:
+            params["mrope_section"] = mrope
+        return {"rope_parameters": params}
+    kwargs: dict[str, Any] = {"rope_theta": theta}
+    if partial is not None:
+        kwargs["partial_rotary_factor"] = partial
+    if mrope is not None:
+        kwargs["rope_scaling"] = {"rope_type": "default", "type": "default", "mrope_section": mrope}
+    return kwargs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GLM4V family
+
+_GLM_TOKENS = dict(
+    image_token_id=10,
+    video_token_id=11,
+    image_start_token_id=12,
+    image_end_token_id=13,
+    video_start_token_id=14,
+    video_end_token_id=15,
+)
+_GLM_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=64,
+    out_hidden_size=64,
+    in_channels=3,
+    image_size=32,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+)
+_GLM_TEXT = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    pad_token_id=0,
+)
+_GLM_GRID = [[1, 4, 6], [1, 6, 4]]
+
+
+def _glm4v(tied: bool) -> nn.Module:
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    text = dict(_GLM_TEXT, tie_word_embeddings=False, **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]))
+    config = Glm4vConfig(
+        text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=tied, **_GLM_TOKENS
+    )
+    config._attn_implementation = "eager"
+    return Glm4vForConditionalGeneration(config)
+
+
+def _glm4v_moe() -> nn.Module:
+    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+
+    text = dict(
+        _GLM_TEXT,
+        tie_word_embeddings=False,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]),
+    )
+    config = Glm4vMoeConfig(
+        text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=False, **_GLM_TOKENS
+    )
+    config._attn_implementation = "eager"
+    return Glm4vMoeForConditionalGeneration(config)
+
+
+def _glm_batch(model_name: str, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Two right-padded rows, each: 5 text tokens, one image (start, t*h*w/4 image tokens, end), 4 text tokens."""
+    merge = _GLM_VISION["spatial_merge_size"] ** 2
+    patch_dim = _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * _GLM_VISION["patch_size"] ** 2
+    rows: list[list[int]] = []
+    kinds: list[list[int]] = []
+    for t, h, w in _GLM_GRID:
+        n_img = t * h * w // merge
+        before = torch.randint(16, _GLM_TEXT["vocab_size"], (5,), generator=g).tolist()
+        after = torch.randint(16, _GLM_TEXT["vocab_size"], (4,), generator=g).tolist()
+        ids = [*before, 12, *([10] * n_img), 13, *after]
+        rows.append(ids)
+        kinds.append([0] * 6 + [1] * n_img + [0] * 5)
+    length = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    mm = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, (r, k) in enumerate(zip(rows, kinds, strict=True)):
+        input_ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        mm[i, : len(k)] = torch.tensor(k)
+    labels = input_ids.clone()
+    labels[(mask == 0) | (mm == 1)] = -100
+    n_patches = sum(t * h * w for t, h, w in _GLM_GRID)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "pixel_values": torch.randn(n_patches, patch_dim, generator=g),
+        "image_grid_thw": torch.tensor(_GLM_GRID, dtype=torch.long),
+        "labels": labels,
+    }
+    if _accepts_mm_token_type_ids(model_name):
+        batch["mm_token_type_ids"] = mm
+    return batch
+
+
+def _accepts_mm_token_type_ids(model_name: str) -> bool:
+    """transformers 5.x requires ``mm_token_type_ids`` with images; 4.x has no such argument."""
+    if model_name == "glm4v-moe":
+        from transformers import Glm4vMoeModel as cls
+    else:
+        from transformers import Glm4vModel as cls
+    return "mm_token_type_ids" in inspect.signature(cls.get_rope_index).parameters
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text models
+
+_QWEN2 = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+)
+
+
+def _qwen2_config() -> Any:
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**_QWEN2, **_rope(10000.0))
+    config._attn_implementation = "eager"
+    return config
+
+
+def _qwen2() -> nn.Module:
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(_qwen2_config())
+
+
+def _fused_lmhead_class() -> type[nn.Module]:
+    """A Qwen2ForCausalLM whose root forward reads ``self.lm_head.weight`` raw, as verl's fused kernels do."""
+    from transformers import Qwen2ForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class Qwen2FusedLmHeadForCausalLM(Qwen2ForCausalLM):
+        """Test model: logits = F.linear(hidden, self.lm_head.weight); lm_head's own forward never runs."""
+
+        def forward(
+            self,
+            input_ids: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None,
+            labels: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> CausalLMOutputWithPast:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+            logits = F.linear(hidden, self.lm_head.weight)
+            loss = None
+            if labels is not None:
+                loss = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=-100,
+                )
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    Qwen2FusedLmHeadForCausalLM.__module__ = __name__
+    Qwen2FusedLmHeadForCausalLM.__qualname__ = "Qwen2FusedLmHeadForCausalLM"
+    return Qwen2FusedLmHeadForCausalLM
+
+
+_FUSED_CLASS: type[nn.Module] | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # ``zoo.Qwen2FusedLmHeadForCausalLM`` resolves lazily so that pickling by qualified name works without
+    # importing transformers at module import.
+    if name == "Qwen2FusedLmHeadForCausalLM":
+        return _fused_class()
+    raise AttributeError(name)
+
+
+def _fused_class() -> type[nn.Module]:
+    global _FUSED_CLASS
+    if _FUSED_CLASS is None:
+        _FUSED_CLASS = _fused_lmhead_class()
+    return _FUSED_CLASS
+
+
+def _qwen2_fused() -> nn.Module:
+    return _fused_class()(_qwen2_config())
+
+
+def _gemma3n() -> nn.Module:
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(
+        vocab_size=128,
+        vocab_size_per_layer_input=128,
+        hidden_size=64,
+        hidden_size_per_layer_input=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        num_kv_shared_layers=0,
+        laurel_rank=8,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0, 0.0],
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "eager"
+    return Gemma3nForCausalLM(config)
+
+
+def _t5_shared() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "eager"
+    model = T5ForConditionalGeneration(config)
+    # transformers 5 forces tie_word_embeddings=True and ties lm_head to shared; restore the flan-t5 state.
+    if model.lm_head.weight is model.shared.weight:
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))
+        nn.init.normal_(model.lm_head.weight, std=config.d_model**-0.5)
+    model.config.tie_word_embeddings = False
+    shared = model.shared.weight
+    model.encoder.embed_tokens.weight = shared
+    model.decoder.embed_tokens.weight = shared
+    return model
+
+
+def _text_batch(g: torch.Generator, vocab: int = 128, rows: int = 2, length: int = 12) -> dict[str, torch.Tensor]:
+    input_ids = torch.randint(3, vocab, (rows, length), generator=g)
+    mask = torch.ones_like(input_ids)
+    input_ids[1, -3:] = 0
+    mask[1, -3:] = 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def _t5_batch(g: torch.Generator) -> dict[str, torch.Tensor]:
+    batch = _text_batch(g)
+    labels = torch.randint(3, 128, (2, 7), generator=g)
+    labels[1, -2:] = -100
+    batch["labels"] = labels
+    return batch
+
+
+_BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "glm4v": lambda: _glm4v(tied=False),
+    "glm4v-tied": lambda: _glm4v(tied=True),
+    "glm4v-moe": _glm4v_moe,
+    "qwen2": _qwen2,
+    "gemma3n": _gemma3n,
+    "qwen2-fused-lmhead": _qwen2_fused,
+    "t5-shared": _t5_shared,
+}
+
+
+def _check_name(name: str) -> None:
+    if name not in ZOO:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"unknown zoo model {name!r}; choose one of: {', '.join(ZOO)}")
+
+
+def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """Build zoo model ``name``: fp32, train mode, dropout-free, weights a function of ``seed`` only."""
+    _check_name(name)
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        model = _BUILDERS[name]()
+    model = model.to(device=device, dtype=torch.float32)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    if name == "glm4v-tied":
+        assert model.lm_head.weight is model.get_input_embeddings().weight, "glm4v-tied did not tie"
+    return model
+
+
+def make_batch(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Valid inputs for ``build_model(name)(**batch)``, including labels so the output has ``.loss``."""
+    _check_name(name)
+    g = torch.Generator().manual_seed(seed + 12345)
+    if name.startswith("glm4v"):
+        batch = _glm_batch(name, g)
+    elif name == "t5-shared":
+        batch = _t5_batch(g)
+    else:
+        batch = _text_batch(g)
+    return {k: v.to(device) for k, v in batch.items()}

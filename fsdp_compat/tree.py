@@ -1,0 +1,111 @@
+"""A read-only index of a module tree: paths, ancestry, parameter ownership and sharing.
+
+The planner asks tree questions constantly (who is whose ancestor, which modules hold this very Parameter object);
+answering them from one index keeps each question O(depth) and the planner free of ``named_modules()`` loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class ModuleTree:
+    """Index of ``model``'s module tree. Paths are ``named_modules()`` names; the root is ``""``."""
+
+    model: nn.Module
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    path_of: dict[int, str] = field(default_factory=dict)
+    post_order: dict[str, int] = field(default_factory=dict)
+    # id(Parameter) -> every (module path, attribute name) that registers that very object.
+    param_owners: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+    params: dict[int, nn.Parameter] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, model: nn.Module) -> ModuleTree:
+        tree = cls(model)
+        for path, module in model.named_modules():
+            tree.modules[path] = module
+            tree.path_of[id(module)] = path
+            for name, param in module._parameters.items():
+                if param is None:
+                    continue
+                tree.param_owners.setdefault(id(param), []).append((path, name))
+                tree.params[id(param)] = param
+        for index, path in enumerate(tree._post_order_paths("")):
+            tree.post_order[path] = index
+        return tree
+
+    def _post_order_paths(self, root: str) -> Iterator[str]:
+        stack: list[tuple[str, bool]] = [(root, False)]
+        while stack:
+            path, expanded = stack.pop()
+            if expanded:
+                yield path
+                continue
+            stack.append((path, True))
+            module = self.modules[path]
+            children = [
+                self.path_of[id(child)]
+                for child in module._modules.values()
+                if child is not None and id(child) in self.path_of
+            ]
+            # Only children whose canonical path is directly below this one (a module registered twice is
+            # visited once, under its first name).
+            children = [c for c in children if self.parent(c) == path]
+            stack.extend((child, False) for child in reversed(children))
+
+    @staticmethod
+    def parent(path: str) -> str | None:
+        if path == "":
+            return None
+        return path.rsplit(".", 1)[0] if "." in path else ""
+
+    def ancestors(self, path: str) -> Iterator[str]:
+        """Strict ancestors of ``path``, nearest first, ending with the root ``""``."""
+        current = self.parent(path)
+        while current is not None:
+            yield current
+            current = self.parent(current)
+
+    @staticmethod
+    def is_ancestor_or_self(ancestor: str, path: str) -> bool:
+        return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+    def lca(self, a: str, b: str) -> str:
+        """Lowest common ancestor of two module paths."""
+        parts_a, parts_b = a.split(".") if a else [], b.split(".") if b else []
+        common: list[str] = []
+        for x, y in zip(parts_a, parts_b):
+            if x != y:
+                break
+            common.append(x)
+        return ".".join(common)
+
+    def path_between(self, low: str, high: str, *, include_low: bool) -> list[str]:
+        """Modules from ``low`` up to ``high`` (``high`` excluded); ``high`` must be an ancestor of ``low``."""
+        nodes = [low] if include_low and low != high else []
+        for ancestor in self.ancestors(low):
+            if ancestor == high:
+                break
+            nodes.append(ancestor)
+        return nodes
+
+    def depth(self, path: str) -> int:
+        return 0 if path == "" else path.count(".") + 1
+
+    def subtree_params(self, path: str) -> Iterator[tuple[str, nn.Parameter]]:
+        """(qualified name, Parameter) of every parameter registered in ``path``'s subtree, each object once."""
+        seen: set[int] = set()
+        prefix = f"{path}." if path else ""
+        for name, param in self.modules[path].named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield prefix + name, param
+
+    def direct_param_count(self, path: str) -> int:
+        return sum(p.numel() for p in self.modules[path]._parameters.values() if p is not None)
