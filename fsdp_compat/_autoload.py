@@ -145,14 +145,18 @@ def is_installed() -> bool:
 
 
 def install() -> bool:
-    """Install the trigger finder (what the .pth does); returns whether it is active. Never raises."""
+    """Install the trigger finder (what the .pth does); returns whether it is active. Never raises.
+
+    Calling it again re-reads :data:`ADAPTER_MODULES` (the finder stays the same object).
+    """
     global _FINDER
     try:
         if not autoload_enabled():
             return False
-        if is_installed():
-            return True
         triggers = _trigger_table()
+        if is_installed():
+            _FINDER.triggers = triggers  # type: ignore[union-attr]
+            return True
         _FINDER = _TriggerFinder(triggers)
         sys.meta_path.insert(0, _FINDER)
         # A trigger imported before this call (a later, explicit install()) is activated now.

@@ -39,7 +39,8 @@ MODULE_GETTERS = frozenset({"get_input_embeddings", "get_output_embeddings", "ge
 INERT_CALLS = frozenset(
     {"isinstance", "issubclass", "hasattr", "getattr", "type", "id", "len", "print", "repr", "str", "callable"}
 )
-_FORWARD_NAMES = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
+# Calling a module through these runs its hooks (FSDP2 unshards there); calling ``.forward()`` directly does not.
+_HOOKED_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
 
 Step = Any  # str attribute | ("()", getter) | ("[]", key or None) | ("*",)
 
@@ -148,6 +149,8 @@ def _collect_uses(fn: ast.AST, self_name: str | None) -> tuple[list[_Use], list[
             if base is None:
                 return None
             key = node.slice
+            if isinstance(key, ast.Slice):
+                return base  # a slice of a ModuleList/Sequential is a container of the same children
             if isinstance(key, ast.Constant) and isinstance(key.value, (int, str)):
                 return (*base, ("[]", key.value))
             return (*base, ("[]", None))
@@ -221,7 +224,9 @@ def _collect_uses(fn: ast.AST, self_name: str | None) -> tuple[list[_Use], list[
         if isinstance(parent, ast.Call):
             if parent.func is node:
                 how = "call"
-            elif not (isinstance(parent.func, ast.Name) and parent.func.id in INERT_CALLS):
+            elif isinstance(parent.func, ast.Name) and parent.func.id in INERT_CALLS:
+                continue  # isinstance(self.w, ...), hasattr(...): looks at the object, never at its data
+            else:
                 how = "arg"
         elif isinstance(parent, ast.keyword):
             grand = parents.get(id(parent))
@@ -395,7 +400,7 @@ class _Analyzer:
                         self._add(RawRead(reader, callee, None, "call", self._where(facts, use.lineno)))
                 elif res.kind == "method" and use.how in ("call", "arg"):
                     target = res.obj
-                    if res.attr in _FORWARD_NAMES:
+                    if res.attr in _HOOKED_CALLS:
                         callee = self.tree.path_of.get(id(target))
                         if callee is not None and callee != reader:
                             called_before.append((use.lineno, callee))

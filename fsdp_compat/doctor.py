@@ -35,10 +35,8 @@ PTH_NAME = "fsdp_compat.pth"
 def find_pth() -> list[Path]:
     """Every ``fsdp_compat.pth`` in a site directory of this interpreter (normally zero or one)."""
     dirs: list[str] = []
-    try:
+    if hasattr(site, "getsitepackages"):  # old virtualenv's site.py lacks it
         dirs += site.getsitepackages()
-    except AttributeError:  # old virtualenv's site.py
-        pass
     if site.ENABLE_USER_SITE:
         dirs.append(site.getusersitepackages())
     dirs += [p for p in sys.path if p]
@@ -52,7 +50,7 @@ def find_pth() -> list[Path]:
 
 def _env(name: str) -> str:
     value = os.environ.get(name)
-    return "unset" if value is None else f"{name}={value}"
+    return f"{name} unset" if value is None else f"{name}={value}"
 
 
 def _activation_lines() -> list[str]:
@@ -63,19 +61,15 @@ def _activation_lines() -> list[str]:
     if pth:
         where = ", ".join(str(p) for p in pth)
         state = "active" if _autoload.is_installed() else "NOT active"
-        why = ""
-        if not _autoload.is_installed():
-            why = f" ({_env(ENV_AUTOLOAD)}, {_env(ENV_SWITCH)}; or python -S)"
-        lines.append(f".pth start-up hook: installed at {where}; {state} in this process{why}")
+        lines.append(f".pth start-up hook: installed at {where}; {state} in this process")
     else:
         lines.append(
-            f".pth start-up hook: not installed (a wheel install puts {PTH_NAME} into site-packages; editable "
-            "installs and source checkouts do not: copy src_pth/fsdp_compat.pth there, or import the adapter)"
+            f".pth start-up hook: not installed (a wheel install puts {PTH_NAME} into site-packages; "
+            "editable installs and source checkouts do not: copy src_pth/fsdp_compat.pth there, or import "
+            "the adapter)"
         )
-    if pth and not autoload_enabled():
-        lines.append(
-            f"  the hook is switched off by the environment ({_env(ENV_AUTOLOAD)}, {_env(ENV_SWITCH)})"
-        )
+    if not autoload_enabled():
+        lines.append(f"  the .pth hook is off: {_env(ENV_AUTOLOAD)}, {_env(ENV_SWITCH)}")
     try:
         policy = policy_from_env()
     except Exception as exc:

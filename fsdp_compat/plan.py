@@ -543,3 +543,30 @@ def select_wrap_targets(
         # Plan for what a one-module-at-a-time loop can do, so that sharers stay together in this view too.
         chosen = dataclasses.replace(chosen, allow_no_reshard=False, allow_shared_groups=False)
     return plan_wrap(model, layer_classes, policy=chosen).flat_targets()
+
+
+def unsafe_reads(model: nn.Module, plan: WrapPlan, evidence: Iterable[RawRead] | None = None) -> list[str]:
+    """What would crash under ``plan``: each read that finds its group sharded, as a sentence.
+
+    Checks any plan (e.g. ``legacy``) against the static evidence, so the CLI can predict a crash without running.
+    """
+    tree = ModuleTree.build(model)
+    events = list(evidence) if evidence is not None else find_raw_reads(model, tree).events
+    decisions = _Decisions(roots={g.paths: (g.kind, g.reason, dict(g.overrides)) for g in plan.groups})
+    members = decisions.member_key()
+    problems = []
+    for event in events:
+        key = _violation(tree, decisions, event, members)
+        if key is None:
+            continue
+        if decisions.roots[key][2].get("reshard_after_forward") is False and any(
+            p in event.after_forward_of for p in key
+        ):
+            continue
+        problems.append(f"{event.describe()}, but group {' + '.join(key)} is sharded there")
+    for owners in tree.param_owners.values():
+        groups = {decisions.group_of(tree, path, members) for path, _ in owners}
+        if len(groups) > 1:
+            names = ", ".join(f"{p}.{a}" if p else a for p, a in owners)
+            problems.append(f"one Parameter ({names}) is split across groups: fully_shard raises ValueError")
+    return problems

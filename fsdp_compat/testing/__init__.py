@@ -1,4 +1,5 @@
-"""Test support: a zoo of tiny real transformers models, meta-device skeletons, and a distributed FSDP2 harness.
+"""Test support: a zoo of tiny real transformers models, meta-device skeletons, and a distributed FSDP2
+harness.
 
 Names resolve lazily, so importing this package costs nothing until one is used (then torch, and transformers
 for models, are imported).

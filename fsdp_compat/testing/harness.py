@@ -1,9 +1,9 @@
-"""Distributed FSDP2 training harness: W fresh ranks, N AdamW steps, exact parity against a single-process copy.
+"""Distributed FSDP2 training harness: W fresh ranks, N AdamW steps, exact parity against one process.
 
 Each rank is a fresh interpreter (``subprocess``, its own session) so that environment switches and ``.pth``
-start-up hooks behave as in a real launch, and so that the parent can kill a rank and anything it started. Ranks
-write their result as JSON; the parent enforces one deadline for the whole run, kills every other rank shortly
-after one fails (no waiting for gloo's timeout), and always reaps every process it started.
+start-up hooks behave as in a real launch, and so that the parent can kill a rank and anything it started.
+Ranks write their result as JSON; the parent enforces one deadline for the whole run, kills every other rank
+shortly after one fails (no waiting for gloo's timeout), and always reaps every process it started.
 """
 
 from __future__ import annotations
@@ -74,18 +74,20 @@ class RunResult:
 
     @property
     def error(self) -> str | None:
-        for r in self.ranks:
-            if not r.ok:
-                return f"rank {r.rank}: {r.error}"
+        """The first failing rank's text: the rank that failed earliest (the cause, not a peer's echo)."""
+        for r in self.failing_ranks:
+            return f"rank {r.rank}: {r.error}"
         return None if self.ranks else "no ranks ran"
 
     @property
     def failing_ranks(self) -> list[RankResult]:
-        return [r for r in self.ranks if not r.ok]
+        """Failing ranks, earliest failure first (ranks that were killed come last)."""
+        failed = [r for r in self.ranks if not r.ok]
+        return sorted(failed, key=lambda r: (float(r.extra.get("failed_at", math.inf)), r.rank))
 
     @property
     def exception(self) -> str | None:
-        """The first failing rank's exception line, e.g. ``RuntimeError: aten.grid_sampler_2d.default got ...``."""
+        """The first failing rank's exception line, e.g. ``RuntimeError: aten.grid_sampler_2d...``."""
         for r in self.failing_ranks:
             if r.extra.get("exception"):
                 return str(r.extra["exception"])
@@ -122,7 +124,7 @@ class RunResult:
         raise AssertionError(f"{len(parts)} of {len(self.ranks)} ranks failed:\n" + "\n".join(parts))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Parent side
 
 
@@ -141,8 +143,8 @@ def _wrap_spec(fn: Any) -> str | None:
         from fsdp_compat.errors import FsdpCompatError
 
         raise FsdpCompatError(
-            f"wrap/probe {fn!r} is not importable in a fresh process; pass a 'package.module:function' string "
-            "naming a module-level function"
+            f"wrap/probe {fn!r} is not importable in a fresh process; pass a 'package.module:function' "
+            "string naming a module-level function"
         )
     return f"{module}:{qualname}"
 
@@ -195,9 +197,9 @@ def run_training(
 ) -> RunResult:
     """Train zoo model ``model`` for ``steps`` AdamW steps on ``world_size`` ranks under ``wrap``.
 
-    Every rank builds the model with ``seed``, deep-copies it as the single-process reference, calls the wrap fn as
-    ``fn(model, fsdp_kwargs)`` and compares gradients after each backward and parameters after each step against
-    the reference. ``python`` runs the ranks under another interpreter (e.g. a framework's venv).
+    Every rank builds the model with ``seed``, deep-copies it as the single-process reference, calls the wrap
+    fn as ``fn(model, fsdp_kwargs)`` and compares gradients after each backward and parameters after each step
+    against the reference. ``python`` runs the ranks under another interpreter (e.g. a framework's venv).
     """
     if world_size < 1:
         from fsdp_compat.errors import FsdpCompatError
@@ -282,11 +284,13 @@ def _collect(work: Path, rank: int, proc: subprocess.Popen[bytes], killed: str |
     if killed:
         error = f"{killed}\n--- output tail ---\n{log}" if log else killed
     else:
-        error = f"rank exited with code {proc.returncode} without reporting a result\n--- output tail ---\n{log}"
+        error = (
+            f"rank exited with code {proc.returncode} without reporting a result\n--- output tail ---\n{log}"
+        )
     return RankResult(rank=rank, ok=False, error=error, extra={"exit_code": proc.returncode, "pid": proc.pid})
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Rank side
 
 
@@ -352,6 +356,7 @@ def _rank_main() -> None:
     try:
         result = _train(cfg, rank, extra)
     except BaseException as exc:
+        extra["failed_at"] = time.time()
         extra["exception"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
         result = RankResult(rank=rank, ok=False, error=traceback.format_exc(), extra=_jsonable_dict(extra))
     tmp = work / f"rank{rank}.json.tmp"
@@ -387,6 +392,7 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the CPU cores
     dist.init_process_group(
         backend=extra["backend"],
         init_method=f"tcp://127.0.0.1:{cfg['port']}",
@@ -463,7 +469,7 @@ def _fsdp_group_paths(model: Any) -> list[str]:
     return [path for path, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Smoke tables
 
 
@@ -501,22 +507,37 @@ class SmokeRow:
         """Summarise a :class:`RunResult` as a row."""
         if run.ok:
             g, p = run.max_rel_grad_diff, run.max_rel_param_diff
-            return cls(framework, case, expected, "ok", f"parity Δgrad={g:g} Δparam={p:g}", g, p, run.seconds,
-                       expect_text)
-        return cls(framework, case, expected, "crash", run.exception or "", None, None, run.seconds, expect_text)
+            detail = f"parity Δgrad={_fmt(g)} Δparam={_fmt(p)}"
+            return cls(framework, case, expected, "ok", detail, g, p, run.seconds, expect_text)
+        return cls(
+            framework, case, expected, "crash", run.exception or "", None, None, run.seconds, expect_text
+        )
+
+
+def _fmt(x: float) -> str:
+    return "0.0" if x == 0 else f"{x:.3g}"
 
 
 def format_smoke_table(rows: list[SmokeRow]) -> str:
     """A plain-text table: one row per case, PASS/FAIL, and the crash line or the parity figures."""
     header = ("framework", "case", "expected", "outcome", "result", "seconds", "detail")
     body = [
-        (r.framework, r.case, r.expected, r.outcome, "PASS" if r.passed else "FAIL", f"{r.seconds:.1f}",
-         r.detail.splitlines()[0] if r.detail else "")
+        (
+            r.framework,
+            r.case,
+            r.expected,
+            r.outcome,
+            "PASS" if r.passed else "FAIL",
+            f"{r.seconds:.1f}",
+            r.detail.splitlines()[0] if r.detail else "",
+        )
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]
     widths[-1] = 0  # the detail column is last and not padded
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
-             for row in (header, *body)]
+    lines = [
+        "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
+        for row in (header, *body)
+    ]
     lines.insert(1, "  ".join("-" * max(w, 6) for w in widths).rstrip())
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-"""Models on the meta device: the module tree and parameter shapes of real (even full-size) models, no weights.
+"""Models on the meta device: module tree and parameter shapes of real (even full-size) models, no weights.
 
-A wrap plan depends only on the module tree, the classes' code and Parameter identity, so ``fsdp-compat plan`` can
-explain a 9B-parameter model on a laptop in a second without downloading anything.
+A wrap plan depends only on the module tree, the classes' code and Parameter identity, so ``fsdp-compat plan``
+can explain a 9B-parameter model on a laptop in a second without downloading anything.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def _load_config(config_file: Path) -> Any:
     try:
         data = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise FsdpCompatError(f"cannot read {config_file} as JSON ({exc}); pass a model's config.json") from exc
+        raise FsdpCompatError(
+            f"cannot read {config_file} as JSON ({exc}); pass a model's config.json"
+        ) from exc
     if not isinstance(data, dict) or "model_type" not in data:
         raise FsdpCompatError(
-            f"{config_file} has no 'model_type'; pass a transformers config.json (as saved by save_pretrained)"
+            f"{config_file} has no 'model_type'; pass a transformers config.json (from save_pretrained)"
         )
     try:
         if config_file.name == "config.json":
@@ -64,7 +66,7 @@ def _load_config(config_file: Path) -> Any:
 
 
 def _from_config(config: Any, *, source: str) -> nn.Module:
-    """Instantiate on meta: the class named in ``config.architectures`` if transformers has it, else an Auto class."""
+    """On meta: the class in ``config.architectures`` when transformers has it, else an Auto class."""
     import transformers
 
     config._attn_implementation = "eager"
@@ -95,7 +97,7 @@ def _from_config(config: Any, *, source: str) -> nn.Module:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Full-size reference models from the config classes' defaults (GLM4V's defaults are GLM-4.1V-9B).
 
 
@@ -149,7 +151,7 @@ REFERENCE_NAMES = tuple(_REFERENCES)
 
 
 def reference_skeleton(name: str) -> nn.Module:
-    """Full-size ``name`` on the meta device, from its config class defaults (for plans and memory figures)."""
+    """Full-size ``name`` on the meta device, from its config class defaults (for plans and memory sums)."""
     builder = _REFERENCES.get(name)
     if builder is None:
         raise FsdpCompatError(f"unknown reference model {name!r}; choose one of: {', '.join(_REFERENCES)}")

@@ -1,8 +1,8 @@
 """Wrap functions for :func:`fsdp_compat.testing.harness.run_training`, named as ``"module:function"``.
 
-``core_<policy>(model, fsdp_kwargs)`` applies fsdp-compat's own planner with that policy and returns the plan as
-text. The ``_test_*`` functions are test-only: hand-written ``fully_shard`` wraps that do not depend on the planner
-(so the harness can be checked on its own), and ranks that raise or hang on purpose.
+``core_<policy>(model, fsdp_kwargs)`` applies fsdp-compat's own planner with that policy and returns the plan
+as text. The ``_test_*`` functions are test-only: hand-written ``fully_shard`` wraps that do not depend on the
+planner (so the harness can be checked on its own), and ranks that raise or hang on purpose.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def core_layers_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     return _core(model, fsdp_kwargs, "layers-only")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Test-only helpers: hand-written fully_shard wraps, independent of fsdp_compat's planner.
 
 
@@ -87,7 +87,7 @@ def _test_root_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
 
 
 def _test_raise_on_rank1(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
-    """Test-only: rank 1 raises a recognisable error; the other ranks wrap safely and then block in a collective."""
+    """Test-only: rank 1 raises a recognisable error; the others wrap safely, then block in a collective."""
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
@@ -112,3 +112,11 @@ def _test_probe() -> dict[str, Any]:
     import torch.distributed as dist
 
     return {"rank": dist.get_rank(), "pid": os.getpid()}
+
+
+def core_auto_lift_all(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """``auto`` with ``lift_min_bytes=0``: every unsafe candidate is lifted into a group at its reader."""
+    from fsdp_compat.apply import apply_fsdp2
+    from fsdp_compat.policies import Auto
+
+    return str(apply_fsdp2(model, fsdp_kwargs, policy=Auto(lift_min_bytes=0)))

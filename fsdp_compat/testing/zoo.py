@@ -1,12 +1,13 @@
 """Tiny real transformers models, built from their config classes, for plan and FSDP2 parity tests.
 
-Each entry is a real architecture (or a documented minimal subclass of one) shrunk until one training step takes
-well under a second on CPU, so the bug classes fsdp-compat guards against can be reproduced on real code: GLM4V's
-raw read of the vision position table, tied and shared Parameters, a large auxiliary embedding used through its
-forward, and a fused-kernel style raw read of ``lm_head.weight`` in the root forward.
+Each entry is a real architecture (or a documented minimal subclass of one) shrunk until one training step
+takes well under a second on CPU, so the bug classes fsdp-compat guards against can be reproduced on real
+code: GLM4V's raw read of the vision position table, tied and shared Parameters, a large auxiliary embedding
+used through its forward, and a fused-kernel style raw read of ``lm_head.weight`` in the root forward.
 
-Models are fp32, in train mode with dropout off, and depend only on ``seed``. Works with transformers 5.x and,
-for ``glm4v``, ``glm4v-tied`` and the Qwen2 entries, with transformers 4.57.
+Models are fp32, in train mode with dropout off, and depend only on ``seed``. Every entry builds and trains
+with transformers 5.x and 4.57 (in 4.57 T5's encoder/decoder ``embed_tokens`` are the ``shared`` module itself;
+in 5.x they are separate modules holding the same Parameter).
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ ZOO: dict[str, ZooModel] = {
         ),
         ZooModel(
             "glm4v-tied",
-            "glm4v with top-level tie_word_embeddings=True: lm_head.weight is embed_tokens.weight (one Parameter).",
+            "glm4v with top-level tie_word_embeddings=True: lm_head.weight is embed_tokens.weight (one "
+            "Parameter).",
             only_input_embedding=False,
         ),
         ZooModel(
             "glm4v-moe",
-            "Glm4vMoeForConditionalGeneration, untied, 4 routed experts; same raw vision position read as glm4v.",
+            "Glm4vMoeForConditionalGeneration, untied, 4 routed experts; same raw vision position read as "
+            "glm4v.",
             only_input_embedding=False,
         ),
         ZooModel(
@@ -58,21 +61,22 @@ ZOO: dict[str, ZooModel] = {
         ),
         ZooModel(
             "gemma3n",
-            "Gemma3nForCausalLM (text), untied, with the large per-layer embedding embed_tokens_per_layer used "
-            "through its own forward (must stay shardable).",
+            "Gemma3nForCausalLM (text), untied, with the large per-layer embedding embed_tokens_per_layer "
+            "used through its own forward (must stay shardable).",
             only_input_embedding=False,
         ),
         ZooModel(
             "qwen2-fused-lmhead",
-            "Qwen2ForCausalLM subclass whose forward computes logits as F.linear(hidden, self.lm_head.weight): a "
-            "raw read of lm_head.weight in the root forward, like verl's fused kernels.",
+            "Qwen2ForCausalLM subclass whose forward computes logits as F.linear(hidden, "
+            "self.lm_head.weight): a raw read of lm_head.weight in the root forward, like verl's fused "
+            "kernels.",
             only_input_embedding=True,
         ),
         ZooModel(
             "t5-shared",
-            "T5ForConditionalGeneration in the transformers-4 / flan-t5 state: shared, encoder.embed_tokens and "
-            "decoder.embed_tokens are one Parameter, lm_head untied, config.tie_word_embeddings False; the "
-            "relative_attention_bias tables are further embeddings, used through their forward.",
+            "T5ForConditionalGeneration in the transformers-4 / flan-t5 state: shared, encoder.embed_tokens "
+            "and decoder.embed_tokens are one Parameter, lm_head untied, config.tie_word_embeddings False; "
+            "the relative_attention_bias tables are further embeddings, used through their forward.",
             only_input_embedding=False,
         ),
     )
@@ -91,7 +95,7 @@ def _tf_major() -> int:
 
 
 def _rope(theta: float, *, partial: float | None = None, mrope: list[int] | None = None) -> dict[str, Any]:
-    """Rope settings as config kwargs: ``rope_parameters`` in transformers 5, ``rope_theta``/``rope_scaling`` in 4."""
+    """Rope config kwargs: ``rope_parameters`` in transformers 5, ``rope_theta``/``rope_scaling`` in 4."""
     if _tf_major() >= 5:
         params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
         if partial is not None:
@@ -107,7 +111,7 @@ def _rope(theta: float, *, partial: float | None = None, mrope: list[int] | None
     return kwargs
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # GLM4V family
 
 _GLM_TOKENS = dict(
@@ -146,7 +150,8 @@ _GLM_GRID = [[1, 4, 6], [1, 6, 4]]
 def _glm4v(tied: bool) -> nn.Module:
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration
 
-    text = dict(_GLM_TEXT, tie_word_embeddings=False, **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]))
+    # transformers 5 ties on the top-level flag; 4.57 on text_config's: set both so "tied" ties in either.
+    text = dict(_GLM_TEXT, tie_word_embeddings=tied, **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]))
     config = Glm4vConfig(
         text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=tied, **_GLM_TOKENS
     )
@@ -177,9 +182,11 @@ def _glm4v_moe() -> nn.Module:
 
 
 def _glm_batch(model_name: str, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Two right-padded rows, each: 5 text tokens, one image (start, t*h*w/4 image tokens, end), 4 text tokens."""
+    """Two right-padded rows: 5 text tokens, one image (start, t*h*w/4 image tokens, end), 4 text tokens."""
     merge = _GLM_VISION["spatial_merge_size"] ** 2
-    patch_dim = _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * _GLM_VISION["patch_size"] ** 2
+    patch_dim = (
+        _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * _GLM_VISION["patch_size"] ** 2
+    )
     rows: list[list[int]] = []
     kinds: list[list[int]] = []
     for t, h, w in _GLM_GRID:
@@ -221,7 +228,7 @@ def _accepts_mm_token_type_ids(model_name: str) -> bool:
     return "mm_token_type_ids" in inspect.signature(cls.get_rope_index).parameters
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Text models
 
 _QWEN2 = dict(
@@ -266,7 +273,9 @@ def _fused_lmhead_class() -> type[nn.Module]:
             labels: torch.Tensor | None = None,
             **kwargs: Any,
         ) -> CausalLMOutputWithPast:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+            hidden = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, **kwargs
+            ).last_hidden_state
             logits = F.linear(hidden, self.lm_head.weight)
             loss = None
             if labels is not None:
@@ -352,10 +361,10 @@ def _t5_shared() -> nn.Module:
     )
     config._attn_implementation = "eager"
     model = T5ForConditionalGeneration(config)
-    # transformers 5 forces tie_word_embeddings=True and ties lm_head to shared; restore the flan-t5 state.
-    if model.lm_head.weight is model.shared.weight:
-        model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))
-        nn.init.normal_(model.lm_head.weight, std=config.d_model**-0.5)
+    # transformers 5 forces tie_word_embeddings=True and ties lm_head to shared; restore the flan-t5 state
+    # (4.57 builds it untied already). A fresh lm_head either way, so both versions start alike.
+    model.lm_head.weight = nn.Parameter(torch.empty_like(model.shared.weight))
+    nn.init.normal_(model.lm_head.weight, std=config.d_model**-0.5)
     model.config.tie_word_embeddings = False
     shared = model.shared.weight
     model.encoder.embed_tokens.weight = shared
@@ -363,7 +372,9 @@ def _t5_shared() -> nn.Module:
     return model
 
 
-def _text_batch(g: torch.Generator, vocab: int = 128, rows: int = 2, length: int = 12) -> dict[str, torch.Tensor]:
+def _text_batch(
+    g: torch.Generator, vocab: int = 128, rows: int = 2, length: int = 12
+) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(3, vocab, (rows, length), generator=g)
     mask = torch.ones_like(input_ids)
     input_ids[1, -3:] = 0

@@ -1,0 +1,256 @@
+"""verl adapter: every FSDP2-capable verl release (0.4.0 - 0.9.1, and main) shards with fsdp-compat's plan.
+
+verl's FSDP2 path (``strategy: fsdp2``) gives every untied ``nn.Embedding`` its own ``fully_shard`` group, and from
+0.7.1 on also the untied ``lm_head``. GLM4V reads its vision ``position_embedding.weight`` raw (``F.grid_sample``:
+``aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor``) and verl's own fused kernels read
+``lm_head.weight`` raw (``aten.mm.default got mixed ...``). What is replaced, per release:
+
+=================  ==========================================  ==============================================
+verl               replaced in ``verl.utils.fsdp_utils``        also rebound in (``from fsdp_utils import``)
+=================  ==========================================  ==============================================
+0.4.0 - 0.4.1      ``apply_fsdp2`` (selects inline)            workers.fsdp_workers, trainer.fsdp_sft_trainer
+0.5.0              ``apply_fsdp2``                             + workers.engine.fsdp.engine_impl
+0.6.0 - 0.7.0      ``apply_fsdp2``                             + workers.engine.fsdp.transformer_impl
+0.7.1 - 0.9.1,     ``_select_fsdp2_wrap_targets`` (verl's      none: verl's ``apply_fsdp2`` looks the selector
+main (0.10.0.dev)  ``apply_fsdp2`` looks it up at call time)   up in its module at call time
+=================  ==========================================  ==============================================
+
+Other versions (0.3.x has no FSDP2; anything newer is unknown): a warning and no patch (``FSDP_COMPAT_FORCE=1``
+applies the 0.7.1+ row anyway).
+
+Activation, all of which only import this module: the ``verl.plugins`` entry point (verl >= 0.9.0 loads it on
+``import verl``), ``VERL_USE_EXTERNAL_MODULES=fsdp_compat.adapters.verl`` (verl >= 0.6.0), the config drop-in
+``actor_rollout_ref.model.external_lib=fsdp_compat.adapters.verl`` (verl's ``import_external_libs``), or the
+installed ``.pth`` hook (any release, any process). ``FSDP_COMPAT=off`` disables them all.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from fsdp_compat.activation import Adapter, Replacement, activate_on_import, force_enabled, logger
+
+__all__ = [
+    "ADAPTER",
+    "RELEASES",
+    "SUPPORTED",
+    "VerlAdapter",
+    "is_patched",
+    "make_apply_fsdp2",
+    "make_select_fsdp2_wrap_targets",
+    "patch",
+    "unpatch",
+]
+
+UTILS = "verl.utils.fsdp_utils"
+_WORKERS = "verl.workers.fsdp_workers"
+_SFT = "verl.trainer.fsdp_sft_trainer"
+_ENGINE_05 = "verl.workers.engine.fsdp.engine_impl"
+_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+
+#: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
+SUPPORTED: dict[str, str] = {"verl": ">=0.4.0,<0.10.0a0"}
+
+
+# ------------------------------------------------------------------------------------------------ replacements
+
+
+def _layer_names(names: Any) -> list[str] | None:
+    """verl's wrap list as a list: a str becomes [str], a set (transformers 5 ``_no_split_modules``) a list."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        return [names]
+    return [n if isinstance(n, str) else getattr(n, "__name__", str(n)) for n in names]
+
+
+def configured_layer_classes(model: Any, config: Any) -> list[str]:
+    """What verl 0.4-0.7.0 computed: ``config.get("wrap_policy", {}).get("transformer_layer_cls_to_wrap",
+    model._no_split_modules)``, with the set-valued ``_no_split_modules`` of transformers 5 accepted."""
+    default = getattr(model, "_no_split_modules", None)
+    getter = getattr(config, "get", None)
+    wrap_policy = getter("wrap_policy", None) if callable(getter) else getattr(config, "wrap_policy", None)
+    inner = getattr(wrap_policy, "get", None)
+    if wrap_policy is None:
+        names = default
+    elif callable(inner):
+        names = inner("transformer_layer_cls_to_wrap", default)
+    else:
+        names = getattr(wrap_policy, "transformer_layer_cls_to_wrap", default)
+    found = _layer_names(names)
+    if not found or found[0] is None:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(
+            f"verl apply_fsdp2: no layer classes to wrap for {type(model).__name__} (its _no_split_modules is "
+            f"{default!r}); set fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to the decoder layer class "
+            "names."
+        )
+    return found
+
+
+def _fsdp_module_context(utils: Any) -> Callable[[Any], AbstractContextManager[Any]]:
+    """verl's ``maybe_patch_fsdp_module`` (0.6.0+: lets ABC models be wrapped), or nothing on older releases."""
+    context = getattr(utils, "maybe_patch_fsdp_module", None)
+    return context if callable(context) else (lambda _module: nullcontext())
+
+
+def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
+    """verl 0.4-0.7.0 ``apply_fsdp2(model, fsdp_kwargs, config)`` with the groups of fsdp-compat's plan.
+
+    Keeps the release's contract: the config's wrap-list override (a str or set is accepted), ``fsdp_kwargs`` on
+    every group, the ``fully_shard`` and ``maybe_patch_fsdp_module`` bound in verl's module, the root last, None
+    returned. Groups the plan makes of several modules or with their own kwargs are applied as such.
+    """
+
+    @functools.wraps(original)
+    def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any) -> None:
+        from fsdp_compat.plan import plan_wrap
+
+        utils = sys.modules[original.__module__]
+        fully_shard, context = utils.fully_shard, _fsdp_module_context(utils)
+        plan = plan_wrap(model, configured_layer_classes(model, config), policy=policy)
+        kwargs = dict(fsdp_kwargs or {})
+        for group in plan.groups:
+            target = group.modules[0] if len(group.modules) == 1 else list(group.modules)
+            with context(group.modules[0]):
+                fully_shard(target, **{**kwargs, **group.overrides})
+        with context(model):
+            fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
+        logger.debug("verl apply_fsdp2 (policy %s):\n%s", policy, plan)
+
+    apply_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]
+    return apply_fsdp2
+
+
+def _reads_lm_head_raw(model: Any, use_fused_kernels: bool) -> bool:
+    """verl's fused kernels read ``lm_head.weight`` in the root forward (0.9.1 marks the model; the swapped
+    forward of earlier releases is also caught by the planner's static analysis)."""
+    return bool(use_fused_kernels or getattr(model, "_verl_fused_kernels_backend", None))
+
+
+def _output_heads(model: Any) -> Iterator[Any]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is not None:
+        yield head
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "lm_head":
+            yield module
+
+
+def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
+    """verl >= 0.7.1 ``_select_fsdp2_wrap_targets(model, cls_names, **kw)``: fsdp-compat's flat bottom-up list.
+
+    Extra keywords (an unmerged upstream change adds ``use_fused_kernels``) are accepted. Under ``auto`` an
+    untied ``lm_head`` whose weight the fused kernels read raw never gets its own group; peft's
+    ``ModulesToSaveWrapper`` (which verl matched by the leaf names ``embed_tokens``/``lm_head``) is covered by
+    the embeddings inside it, which the planner shards where it is safe. ``legacy`` reproduces verl's rule.
+    """
+
+    @functools.wraps(original)
+    def _select_fsdp2_wrap_targets(
+        model: Any, fsdp_transformer_layer_cls_to_wrap: Iterable[str] | str | None = None, *args: Any, **kwargs: Any
+    ) -> list[Any]:
+        from fsdp_compat.plan import select_wrap_targets
+        from fsdp_compat.policies import resolve_policy
+
+        targets = select_wrap_targets(model, _layer_names(fsdp_transformer_layer_cls_to_wrap), policy=policy)
+        if resolve_policy(policy).analyzed and _reads_lm_head_raw(model, kwargs.get("use_fused_kernels", False)):
+            heads = {id(m) for m in _output_heads(model)}
+            targets = [m for m in targets if id(m) not in heads]
+        return targets
+
+    _select_fsdp2_wrap_targets.__fsdp_compat__ = True  # type: ignore[attr-defined]
+    return _select_fsdp2_wrap_targets
+
+
+# --------------------------------------------------------------------------------------------- release table
+
+
+@dataclass(frozen=True)
+class Release:
+    """One row of the table: for these versions, this name in ``verl.utils.fsdp_utils`` becomes ``make(...)``."""
+
+    versions: str
+    name: str
+    make: Callable[[Callable[..., Any], str], Callable[..., Any]]
+    importers: tuple[str, ...] = ()
+
+    def matches(self, version: Version) -> bool:
+        return SpecifierSet(self.versions).contains(version, prereleases=True)
+
+
+RELEASES: tuple[Release, ...] = (
+    Release(">=0.4.0,<0.5.0", "apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT)),
+    Release(">=0.5.0,<0.6.0", "apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE_05)),
+    Release(">=0.6.0,<0.7.1", "apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE)),
+    Release(">=0.7.1", "_select_fsdp2_wrap_targets", make_select_fsdp2_wrap_targets),
+)
+
+
+def release_for(version: Version) -> Release | None:
+    """The table row for ``version`` (None below 0.4.0: no FSDP2)."""
+    return next((row for row in RELEASES if row.matches(version)), None)
+
+
+# ----------------------------------------------------------------------------------------------------- adapter
+
+
+class VerlAdapter(Adapter):
+    """verl 0.4.0 - 0.9.1 and main: the FSDP2 selection in ``verl.utils.fsdp_utils`` (see the module table)."""
+
+    name = "verl"
+    supported = SUPPORTED
+    trigger_modules = (UTILS,)
+
+    def plan_patches(self, distribution: str, version: Version) -> list[Replacement]:
+        row = release_for(version)
+        if row is None:  # only reachable with FSDP_COMPAT_FORCE=1 below 0.4.0
+            from fsdp_compat.errors import FsdpCompatError
+
+            raise FsdpCompatError(f"verl {version} has no FSDP2 path (added in 0.4.0); nothing to patch.")
+        if not self.is_supported(distribution, version) and force_enabled():
+            logger.warning("verl %s: applying the verl %s row because FSDP_COMPAT_FORCE=1", version, row.versions)
+        policy = self.policy()
+        return [
+            Replacement(
+                module=UTILS,
+                name=row.name,
+                make=lambda original, make=row.make: make(original, policy),
+                importers=row.importers,
+            )
+        ]
+
+
+def _loading_path() -> str:
+    """Which verl hook imported this module: the entry point, VERL_USE_EXTERNAL_MODULES, or external_lib."""
+    frame = sys._getframe(1)
+    seen_import_external_libs = False
+    while frame is not None:
+        code = frame.f_code
+        in_verl_init = code.co_filename.replace("\\", "/").endswith("verl/__init__.py")
+        if code.co_name == "import_external_libs":
+            seen_import_external_libs = True
+        elif in_verl_init:
+            if seen_import_external_libs:
+                return "VERL_USE_EXTERNAL_MODULES"
+            if "_ep" in frame.f_locals:
+                return "verl.plugins entry point"
+        elif seen_import_external_libs:
+            return "external_lib"
+        frame = frame.f_back
+    return "external_lib" if seen_import_external_libs else "import"
+
+
+ADAPTER = VerlAdapter()
+patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
+activate_on_import(ADAPTER, _loading_path())

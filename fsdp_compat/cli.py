@@ -1,0 +1,125 @@
+"""``fsdp-compat``: plan (explain a wrap plan), smoke (prove the fix on 2 CPU ranks), doctor, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+POLICY_ORDER = ("legacy", "legacy-skyrl", "input-only", "layers-only", "auto")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from fsdp_compat.plan import plan_wrap, unsafe_reads
+    from fsdp_compat.testing.skeleton import build_skeleton
+
+    model = build_skeleton(args.model)
+    layer_classes = args.layer_classes.split(",") if args.layer_classes else None
+    plan = plan_wrap(model, layer_classes, policy=args.policy)
+    print(plan)
+    if plan.evidence:
+        print("  evidence (static analysis of the code that runs):")
+        for event in plan.evidence:
+            print(f"    - {event.describe()}")
+    print()
+    world = args.world_size
+    print(f"Policies side by side (world size {world}; bytes per rank, analytic):")
+    header = f"  {'policy':<13} {'groups':>6} {'root params':>12} {'resident':>11} {'peak fwd':>11}  verdict"
+    print(header)
+    for name in POLICY_ORDER:
+        other = plan_wrap(model, layer_classes, policy=name)
+        problems = unsafe_reads(model, other)
+        sizes = other.per_rank_bytes(world)
+        verdict = "ok" if not problems else f"crash: {problems[0]}"
+        print(
+            f"  {name:<13} {len(other.groups):>6} {other.root_params:>12,} {_fmt_bytes(sizes['resident']):>11} "
+            f"{_fmt_bytes(sizes['peak_forward']):>11}  {verdict}"
+        )
+    return 0
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    import importlib
+
+    from fsdp_compat.testing.harness import format_smoke_table
+
+    frameworks = ["core", "verl", "skyrl"] if args.framework == "all" else [args.framework]
+    rows = []
+    for framework in frameworks:
+        module = importlib.import_module(f"fsdp_compat.testing.{framework}_smoke")
+        rows.extend(module.run(world_size=args.world_size, steps=args.steps, device=args.device))
+    print(format_smoke_table(rows))
+    failed = [row for row in rows if not row.passed]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed or not rows else 0
+
+
+def _cmd_doctor(_args: argparse.Namespace) -> int:
+    from fsdp_compat.doctor import report
+
+    print(report())
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.__main__ import main as bench_main
+    except ImportError:
+        print(
+            "fsdp-compat bench runs the benchmarks/ folder of a source checkout: run it from the repository root "
+            "(python -m benchmarks)",
+            file=sys.stderr,
+        )
+        return 2
+    return int(bench_main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp-compat", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the wrap plan of a model and the policies side by side")
+    plan.add_argument("model", help="a zoo name (glm4v, glm4v-moe, qwen2, ...), a config.json, or a model folder")
+    plan.add_argument("--policy", default="auto", help="auto (default), legacy, legacy-skyrl, input-only, layers-only")
+    plan.add_argument("--world-size", type=int, default=8, help="ranks for the per-rank byte figures (default 8)")
+    plan.add_argument("--layer-classes", default=None, help="comma-separated layer class names (default: "
+                      "the model's _no_split_modules)")
+    plan.set_defaults(func=_cmd_plan)
+
+    smoke = sub.add_parser("smoke", help="GLM4V FSDP2: the legacy crash, then the fix with exact parity")
+    smoke.add_argument("--framework", default="core", choices=["core", "verl", "skyrl", "all"])
+    smoke.add_argument("--world-size", type=int, default=2)
+    smoke.add_argument("--steps", type=int, default=3)
+    smoke.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    smoke.set_defaults(func=_cmd_smoke)
+
+    doctor = sub.add_parser("doctor", help="installed frameworks, what is patched, whether activation is on")
+    doctor.set_defaults(func=_cmd_doctor)
+
+    bench = sub.add_parser("bench", help="the benchmarks (from a source checkout)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fsdp_compat.errors import FsdpCompatError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except FsdpCompatError as exc:
+        print(f"fsdp-compat: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
