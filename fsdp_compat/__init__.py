@@ -1,13 +1,14 @@
 """fsdp-compat: FSDP2 wrap plans that cannot crash, and adapters that put them into verl and SkyRL.
 
-The package imports lazily: ``import fsdp_compat`` costs almost nothing and imports no torch, because the
-``.pth`` start-up hook imports :mod:`fsdp_compat.activation` in every Python process of an environment.
+The package imports lazily: ``import fsdp_compat`` costs almost nothing and imports no torch (not even ``typing``),
+because the ``.pth`` start-up hook imports :mod:`fsdp_compat._autoload` in every Python process of an environment.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -32,12 +33,23 @@ _EXPORTS = {
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 if TYPE_CHECKING:
-    from fsdp_compat.analysis import RawRead
-    from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.audit import audit_raw_reads
-    from fsdp_compat.errors import FsdpCompatError
-    from fsdp_compat.plan import Group, RootEntry, WrapPlan, plan_wrap, select_wrap_targets
-    from fsdp_compat.policies import POLICY_NAMES, Auto, InputOnly, LayersOnly, Legacy, Policy
+    from typing import Any
+
+    from fsdp_compat.analysis import RawRead as RawRead
+    from fsdp_compat.apply import apply_fsdp2 as apply_fsdp2
+    from fsdp_compat.audit import audit_raw_reads as audit_raw_reads
+    from fsdp_compat.errors import FsdpCompatError as FsdpCompatError
+    from fsdp_compat.plan import Group as Group
+    from fsdp_compat.plan import RootEntry as RootEntry
+    from fsdp_compat.plan import WrapPlan as WrapPlan
+    from fsdp_compat.plan import plan_wrap as plan_wrap
+    from fsdp_compat.plan import select_wrap_targets as select_wrap_targets
+    from fsdp_compat.policies import POLICY_NAMES as POLICY_NAMES
+    from fsdp_compat.policies import Auto as Auto
+    from fsdp_compat.policies import InputOnly as InputOnly
+    from fsdp_compat.policies import LayersOnly as LayersOnly
+    from fsdp_compat.policies import Legacy as Legacy
+    from fsdp_compat.policies import Policy as Policy
 
 
 def __getattr__(name: str) -> Any:

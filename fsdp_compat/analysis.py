@@ -393,7 +393,7 @@ class _Analyzer:
             for res in resolve(self_obj, use.steps):
                 if res.kind == "module" and use.how in ("call", "arg"):
                     callee = self.tree.path_of.get(id(res.obj))
-                    if callee is None or res.obj is self_obj and use.how == "arg":
+                    if callee is None or (res.obj is self_obj and use.how == "arg"):
                         continue
                     called_before.append((use.lineno, callee))
                     if callee != reader:

@@ -19,9 +19,12 @@ def _fmt_bytes(n: float) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from fsdp_compat.plan import plan_wrap, unsafe_reads
-    from fsdp_compat.testing.skeleton import build_skeleton
+    from fsdp_compat.testing.skeleton import build_skeleton, reference_skeleton
 
-    model = build_skeleton(args.model)
+    if args.model.startswith("full:"):
+        model = reference_skeleton(args.model.removeprefix("full:"))
+    else:
+        model = build_skeleton(args.model)
     layer_classes = args.layer_classes.split(",") if args.layer_classes else None
     plan = plan_wrap(model, layer_classes, policy=args.policy)
     print(plan)
@@ -87,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the wrap plan of a model and the policies side by side")
-    plan.add_argument("model", help="a zoo name (glm4v, glm4v-moe, qwen2, ...), a config.json, or a model folder")
+    plan.add_argument("model", help="a zoo name (glm4v, glm4v-moe, qwen2, ...), full:NAME for a full-size "
+                      "reference (full:glm4v is GLM-4.1V-9B), a config.json, or a model folder (meta device)")
     plan.add_argument("--policy", default="auto", help="auto (default), legacy, legacy-skyrl, input-only, layers-only")
     plan.add_argument("--world-size", type=int, default=8, help="ranks for the per-rank byte figures (default 8)")
     plan.add_argument("--layer-classes", default=None, help="comma-separated layer class names (default: "

@@ -394,6 +394,9 @@ def _violation(tree: ModuleTree, decisions: _Decisions, event: RawRead, members:
         return None
     if any(tree.is_ancestor_or_self(member, event.reader) for member in key):
         return None
+    no_reshard = key in decisions.roots and decisions.roots[key][2].get("reshard_after_forward") is False
+    if no_reshard and event.kind == "raw-read" and any(p in event.after_forward_of for p in key):
+        return None  # read after the group's own forward, and the group stays unsharded until backward
     return key
 
 
@@ -405,34 +408,45 @@ def _enforce_evidence(tree: ModuleTree, decisions: _Decisions, events: list[RawR
         if not bad:
             return
         for event, key in bad:
-            if key in decisions.roots and decisions.roots[key][2].get("reshard_after_forward") is False:
-                if event.kind == "raw-read" and any(p in event.after_forward_of for p in key):
-                    continue
             decisions.drop(key, f"{event.describe()}; its group would be sharded there")
-        if all(
-            k in decisions.roots
-            and decisions.roots[k][2].get("reshard_after_forward") is False
-            and e.kind == "raw-read"
-            and any(p in e.after_forward_of for p in k)
-            for e, k in bad
-        ):
-            return
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ordering and accounting
 
 
-def _bottom_up(tree: ModuleTree, keys: list[Key]) -> list[Key]:
-    """Children before parents; a group that must come both before and after another is an impossible plan."""
-    ordered = sorted(keys, key=lambda k: (max(tree.post_order[p] for p in k), k))
-    for i, early in enumerate(ordered):
-        for late in ordered[i + 1 :]:
-            if any(tree.is_ancestor_or_self(a, b) and a != b for a in early for b in late):
-                raise FsdpCompatError(
-                    f"cannot order groups {early} and {late} bottom-up; please report this model"
-                )
-    return ordered
+def _bottom_up(tree: ModuleTree, keys: list[Key]) -> tuple[list[Key], list[Key]]:
+    """Topological order, children first: a group comes after every group holding a descendant of its members.
+
+    Returns (order, stuck): ``stuck`` lists groups that would have to come both before and after another one (only
+    possible with multi-module groups); the caller dissolves those.
+    """
+    members = {path: key for key in keys for path in key}
+    waits_for: dict[Key, int] = dict.fromkeys(keys, 0)
+    unlocks: dict[Key, set[Key]] = {key: set() for key in keys}
+    for key in keys:
+        for path in key:
+            for ancestor in tree.ancestors(path):
+                parent_key = members.get(ancestor)
+                if parent_key is not None and parent_key != key and parent_key not in unlocks[key]:
+                    unlocks[key].add(parent_key)
+                    waits_for[parent_key] += 1
+
+    def rank(key: Key) -> tuple[int, Key]:
+        return (max(tree.post_order[p] for p in key), key)
+
+    ready = sorted((k for k in keys if waits_for[k] == 0), key=rank)
+    order: list[Key] = []
+    while ready:
+        key = ready.pop(0)
+        order.append(key)
+        for parent_key in unlocks[key]:
+            waits_for[parent_key] -= 1
+            if waits_for[parent_key] == 0:
+                ready.append(parent_key)
+        ready.sort(key=rank)
+    placed = set(order)
+    return order, [k for k in keys if k not in placed]
 
 
 def _account(
@@ -486,7 +500,15 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
         decisions = _decide_auto(tree, candidates, analysis.events, chosen_policy)
     else:
         decisions = _Decisions(roots={(p,): (kind, reason, {}) for p, (kind, reason) in candidates.items()})
-    order = _bottom_up(tree, list(decisions.roots))
+    order, stuck = _bottom_up(tree, list(decisions.roots))
+    while stuck:
+        if all(len(key) == 1 for key in stuck):  # pragma: no cover - a tree has no cycles
+            raise FsdpCompatError(f"cannot order groups {stuck} bottom-up; please report this model")
+        for key in stuck:
+            if len(key) > 1:
+                decisions.drop(key, "cannot be ordered bottom-up with the other groups; kept in the enclosing group")
+        _keep_sharers_together(tree, decisions, {}, allow_groups=False)
+        order, stuck = _bottom_up(tree, list(decisions.roots))
     sizes, root_size, total_size, enclosing = _account(tree, decisions)
     groups = tuple(
         Group(
@@ -527,7 +549,9 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
 
 
 def _skips_levels(tree: ModuleTree, event: RawRead) -> bool:
-    return bool(tree.path_between(event.owner, tree.lca(event.reader, event.owner), include_low=False))
+    """A call that jumps over a module with code of its own (containers without a forward don't count)."""
+    between = tree.path_between(event.owner, tree.lca(event.reader, event.owner), include_low=False)
+    return any(not isinstance(tree.modules[p], (nn.ModuleList, nn.ModuleDict)) for p in between)
 
 
 def select_wrap_targets(
@@ -558,10 +582,6 @@ def unsafe_reads(model: nn.Module, plan: WrapPlan, evidence: Iterable[RawRead] |
     for event in events:
         key = _violation(tree, decisions, event, members)
         if key is None:
-            continue
-        if decisions.roots[key][2].get("reshard_after_forward") is False and any(
-            p in event.after_forward_of for p in key
-        ):
             continue
         problems.append(f"{event.describe()}, but group {' + '.join(key)} is sharded there")
     for owners in tree.param_owners.values():

@@ -79,7 +79,7 @@ class ModuleTree:
         """Lowest common ancestor of two module paths."""
         parts_a, parts_b = a.split(".") if a else [], b.split(".") if b else []
         common: list[str] = []
-        for x, y in zip(parts_a, parts_b):
+        for x, y in zip(parts_a, parts_b, strict=False):
             if x != y:
                 break
             common.append(x)

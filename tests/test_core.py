@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from conftest import DEVICE, WORLD_SIZE
 
 import fsdp_compat
 from fsdp_compat import FsdpCompatError
@@ -111,7 +114,7 @@ def test_groups_are_bottom_up_and_unique() -> None:
 
 def test_layer_classes_are_validated() -> None:
     model = build_model("qwen2")
-    with pytest.raises(FsdpCompatError, match="none of the layer classes .* Qwen2DecoderLayer"):
+    with pytest.raises(FsdpCompatError, match=r"none of the layer classes .* Qwen2DecoderLayer"):
         fsdp_compat.plan_wrap(model, ["NoSuchLayer"])
     plan = fsdp_compat.plan_wrap(model, ["NoSuchLayer", "Qwen2DecoderLayer"])  # unmatched names are normal
     assert ("model.layers.0",) in plan.group_paths()
@@ -119,16 +122,14 @@ def test_layer_classes_are_validated() -> None:
     assert by_class.group_paths() == plan.group_paths()
     model._no_split_modules = {"Qwen2DecoderLayer", "SomethingElse"}  # a set, as transformers 5 has it
     assert fsdp_compat.plan_wrap(model).group_paths() == plan.group_paths()
-    with pytest.raises(FsdpCompatError, match="unknown wrap policy 'nope'"):
+    with pytest.raises(FsdpCompatError, match=r"unknown wrap policy 'nope'"):
         fsdp_compat.plan_wrap(model, policy="nope")
 
 
 def test_config_without_tie_flag_is_tolerated() -> None:
     model = build_model("qwen2")
-    try:
+    with contextlib.suppress(AttributeError):
         delattr(model.config, "tie_word_embeddings")
-    except AttributeError:
-        pass
     plan = fsdp_compat.plan_wrap(model)
     assert ("model.embed_tokens",) in plan.group_paths()
 
@@ -150,14 +151,19 @@ def test_plan_on_meta_device_and_per_rank_bytes() -> None:
 
 
 def test_legacy_reproduces_the_glm4v_crash() -> None:
-    result = run_training("glm4v", "fsdp_compat.testing.wraps:core_legacy", steps=1, timeout_s=240)
+    result = run_training(
+        "glm4v", "fsdp_compat.testing.wraps:core_legacy", steps=1, timeout_s=240, device=DEVICE,
+        world_size=WORLD_SIZE,
+    )
     assert not result.ok
     assert GRID_SAMPLER_CRASH in (result.error or ""), result.error
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
-    result = run_training(name, "fsdp_compat.testing.wraps:core_auto", steps=3, timeout_s=300)
+    result = run_training(
+        name, "fsdp_compat.testing.wraps:core_auto", steps=3, timeout_s=300, device=DEVICE, world_size=WORLD_SIZE
+    )
     result.raise_for_error()
     print(
         f"{name}: max|Δgrad| {result.max_abs_grad_diff:.3g} (rel {result.max_rel_grad_diff:.3g}), "
@@ -170,6 +176,9 @@ def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
 
 
 def test_lifted_group_trains_glm4v_with_exact_parity() -> None:
-    result = run_training("glm4v", "fsdp_compat.testing.wraps:core_auto_lift_all", steps=3, timeout_s=300)
+    result = run_training(
+        "glm4v", "fsdp_compat.testing.wraps:core_auto_lift_all", steps=3, timeout_s=300, device=DEVICE,
+        world_size=WORLD_SIZE,
+    )
     result.raise_for_error()
     assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0

@@ -57,6 +57,7 @@ def test_glm4v_parity_with_safe_wrap() -> None:
         groups = r.extra["fsdp_groups"]
         assert "" in groups and "model.language_model.embed_tokens" in groups
         assert "model.visual.embeddings.position_embedding" not in groups
+        assert sorted(r.extra["fsdp_group_sets"]) == sorted([g] for g in groups)
         assert _gone(r.extra["pid"])
 
 
@@ -106,6 +107,16 @@ def test_hanging_rank_times_out_and_leaves_no_process() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tied_parameter_group_recorded_with_parity() -> None:
+    result = run_training("glm4v-tied", W + "_test_tied_pair", steps=2)
+    result.raise_for_error()
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
+    sets = result.ranks[0].extra["fsdp_group_sets"]
+    assert ["model.language_model.embed_tokens", "lm_head"] in sets
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_world_size_one() -> None:
     result = run_training("qwen2", W + "_test_root_only", world_size=1, steps=2)
@@ -129,9 +140,7 @@ def test_wrap_fn_must_be_importable() -> None:
 
 def test_run_result_properties() -> None:
     ok = RankResult(0, True, [1.0], 0.0, 0.0, 1e-9, 1e-9, 0.1, None, {})
-    bad = RankResult(
-        1, False, error="Traceback ...\nValueError: boom", extra={"exception": "ValueError: boom"}
-    )
+    bad = RankResult(1, False, error="Traceback ...\nValueError: boom", extra={"exception": "ValueError: boom"})
     run = RunResult([ok, bad])
     assert not run.ok
     assert run.error == "rank 1: Traceback ...\nValueError: boom"

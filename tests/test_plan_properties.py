@@ -146,7 +146,9 @@ def test_auto_plans_keep_their_invariants(tmp_path_factory: pytest.TempPathFacto
     model = _build(root, data, tmp_path_factory.mktemp("trees"))
     _tie_some(model, data)
     block_classes = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Root_")})
-    layer_classes = data.draw(st.lists(st.sampled_from(block_classes), max_size=3, unique=True)) if block_classes else []
+    layer_classes = []
+    if block_classes:
+        layer_classes = data.draw(st.lists(st.sampled_from(block_classes), max_size=3, unique=True))
     layer_classes = layer_classes or [type(next(m for m in model.modules() if m is not model)).__name__]
     plan = fsdp_compat.plan_wrap(model, layer_classes, policy=Auto(lift_min_bytes=lift))
     _check(model, plan)

@@ -285,7 +285,9 @@ def test_ray_actors_are_patched_by_the_pth_hook(monkeypatch: pytest.MonkeyPatch)
     ray = pytest.importorskip("ray")
     import _skyrl_ranks
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([RANK_PATH, os.environ.get("PYTHONPATH", "")]))
+    # No empty entry: "" would put the working directory (a source checkout) ahead of the installed wheel.
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([RANK_PATH, *inherited]))
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("FSDP_COMPAT", raising=False)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -42,10 +42,7 @@ def test_trains_one_step(name: str) -> None:
         assert torch.isfinite(loss)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert changed, "no parameter changed after two AdamW steps"
-    print(
-        f"{name}: step {times[-1]:.3f}s (first {times[0]:.3f}s), "
-        f"{sum(p.numel() for p in model.parameters())} params"
-    )
+    print(f"{name}: step {times[-1]:.3f}s (first {times[0]:.3f}s), {sum(p.numel() for p in model.parameters())} params")
     assert times[-1] < 5.0  # ~0.01-0.15 s measured; generous for a loaded CI machine
 
 
@@ -147,9 +144,7 @@ def test_skeleton_of_zoo_model_matches(name: str) -> None:
     skel = build_skeleton(name)
     real = build_model(name)
     assert all(p.is_meta for p in skel.parameters())
-    assert {n: p.shape for n, p in skel.named_parameters()} == {
-        n: p.shape for n, p in real.named_parameters()
-    }
+    assert {n: p.shape for n, p in skel.named_parameters()} == {n: p.shape for n, p in real.named_parameters()}
     assert type(skel) is type(real)
 
 

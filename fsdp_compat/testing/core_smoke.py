@@ -22,9 +22,7 @@ def run(world_size: int = 2, steps: int = 3, device: str = "cpu", timeout_s: flo
     """GLM4V under ``legacy`` (expected: the grid_sampler crash) and ``auto`` (expected: parity)."""
     rows = []
     for case, wrap, expected, text in _CASES:
-        result = run_training(
-            "glm4v", wrap, world_size=world_size, steps=steps, device=device, timeout_s=timeout_s
-        )
+        result = run_training("glm4v", wrap, world_size=world_size, steps=steps, device=device, timeout_s=timeout_s)
         rows.append(SmokeRow.from_run("core", case, expected, result, expect_text=text))
     return rows
 

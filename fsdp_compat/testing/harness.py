@@ -284,9 +284,7 @@ def _collect(work: Path, rank: int, proc: subprocess.Popen[bytes], killed: str |
     if killed:
         error = f"{killed}\n--- output tail ---\n{log}" if log else killed
     else:
-        error = (
-            f"rank exited with code {proc.returncode} without reporting a result\n--- output tail ---\n{log}"
-        )
+        error = f"rank exited with code {proc.returncode} without reporting a result\n--- output tail ---\n{log}"
     return RankResult(rank=rank, ok=False, error=error, extra={"exit_code": proc.returncode, "pid": proc.pid})
 
 
@@ -348,9 +346,24 @@ class _Diff:
             self.rel, self.where = r, name
 
 
+def _exit_when_orphaned() -> None:
+    """Ranks run in their own session; if the parent dies without killing them (SIGKILL), they exit too."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="fsdp-compat-orphan-watch", daemon=True).start()
+
+
 def _rank_main() -> None:
     """Entry point of one rank: ``python -c ... WORKDIR RANK``."""
     work, rank = Path(sys.argv[1]), int(sys.argv[2])
+    _exit_when_orphaned()
     cfg = json.loads((work / "config.json").read_text())
     extra: dict[str, Any] = {}
     try:
@@ -406,6 +419,7 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": True, **cfg["wrap_kwargs"]}
     extra["wrap"] = _jsonable(_resolve(cfg["wrap"])(model, fsdp_kwargs))
     extra["fsdp_groups"] = _fsdp_group_paths(model)
+    extra["fsdp_group_sets"] = _fsdp_group_sets(model)
     extra["setup_s"] = time.perf_counter() - t0
 
     batch = make_batch(cfg["model"], seed=cfg["seed"], device=dev)
@@ -462,6 +476,19 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     )
 
 
+def _fsdp_group_sets(model: Any) -> list[list[str]]:
+    """Module paths grouped by FSDP2 state: ``fully_shard([a, b])`` gives one entry with both paths."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    sets: dict[int, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, FSDPModule):
+            paths = sets.setdefault(id(fully_shard.state(m)), [])
+            if path not in paths:
+                paths.append(path)
+    return list(sets.values())
+
+
 def _fsdp_group_paths(model: Any) -> list[str]:
     """Paths of the modules that are FSDP2 groups ("" is the root), in ``named_modules`` order."""
     from torch.distributed.fsdp import FSDPModule
@@ -501,17 +528,13 @@ class SmokeRow:
         )
 
     @classmethod
-    def from_run(
-        cls, framework: str, case: str, expected: str, run: RunResult, *, expect_text: str = ""
-    ) -> SmokeRow:
+    def from_run(cls, framework: str, case: str, expected: str, run: RunResult, *, expect_text: str = "") -> SmokeRow:
         """Summarise a :class:`RunResult` as a row."""
         if run.ok:
             g, p = run.max_rel_grad_diff, run.max_rel_param_diff
             detail = f"parity Δgrad={_fmt(g)} Δparam={_fmt(p)}"
             return cls(framework, case, expected, "ok", detail, g, p, run.seconds, expect_text)
-        return cls(
-            framework, case, expected, "crash", run.exception or "", None, None, run.seconds, expect_text
-        )
+        return cls(framework, case, expected, "crash", run.exception or "", None, None, run.seconds, expect_text)
 
 
 def _fmt(x: float) -> str:
@@ -535,9 +558,6 @@ def format_smoke_table(rows: list[SmokeRow]) -> str:
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]
     widths[-1] = 0  # the detail column is last and not padded
-    lines = [
-        "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
-        for row in (header, *body)
-    ]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in (header, *body)]
     lines.insert(1, "  ".join("-" * max(w, 6) for w in widths).rstrip())
     return "\n".join(lines)

@@ -46,9 +46,7 @@ def _load_config(config_file: Path) -> Any:
     try:
         data = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise FsdpCompatError(
-            f"cannot read {config_file} as JSON ({exc}); pass a model's config.json"
-        ) from exc
+        raise FsdpCompatError(f"cannot read {config_file} as JSON ({exc}); pass a model's config.json") from exc
     if not isinstance(data, dict) or "model_type" not in data:
         raise FsdpCompatError(
             f"{config_file} has no 'model_type'; pass a transformers config.json (from save_pretrained)"

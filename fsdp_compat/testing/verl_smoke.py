@@ -128,6 +128,9 @@ def enable_verl_fused_kernels(model: Any) -> None:
     def forward(self: Any, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
         import torch
 
+        kwargs.setdefault("return_dict", True)  # verl's dense forward requires it
+        if getattr(self.config, "model_type", "") == "glm4v" and kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = _glm4v_position_ids(self, kwargs)
         out = fused(self, *args, **kwargs)  # labels=None: verl rolls input_ids (no -100 ids to gather)
         if labels is not None:
             mask = torch.roll(labels, shifts=-1, dims=-1) != -100
@@ -136,6 +139,22 @@ def enable_verl_fused_kernels(model: Any) -> None:
 
     forward.__fsdp_compat_loss__ = True  # type: ignore[attr-defined]
     cls.forward = forward
+
+
+def _glm4v_position_ids(model: Any, batch: dict[str, Any]) -> Any:
+    """verl's GLM4V forward takes (4, B, L) position ids: text positions, then the 3 mrope rows (as verl's
+    datasets build them)."""
+    import torch
+
+    input_ids = batch["input_ids"]
+    vision, _ = model.model.get_rope_index(
+        input_ids,
+        batch.get("mm_token_type_ids"),
+        image_grid_thw=batch.get("image_grid_thw"),
+        attention_mask=batch.get("attention_mask"),
+    )
+    text = torch.arange(input_ids.shape[-1], device=input_ids.device).expand(1, *input_ids.shape)
+    return torch.cat([text, vision], dim=0)
 
 
 def wrap_fused(model: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +193,7 @@ def _cases(version: Version) -> list[tuple[str, str, str, str, str, dict[str, st
     """(model, case, wrap fn, expected, crash text, env) for the installed release."""
     off = {"FSDP_COMPAT": "off"}
     hooks_off = {"FSDP_COMPAT_AUTOLOAD": "0", "VERL_USE_EXTERNAL_PLUGINS": "none"}
-    here = __name__
+    here = "fsdp_compat.testing.verl_smoke"
     cases = [
         ("glm4v", "unpatched", f"{here}:wrap_verl", "crash", GRID_SAMPLER_CRASH, off),
         ("glm4v", "patched (external_lib)", f"{here}:wrap_external_lib", "ok", "", hooks_off),

@@ -81,6 +81,20 @@ def _test_layers_and_input(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> lis
     return _shard_bottom_up(model, targets, fsdp_kwargs)
 
 
+def _test_tied_pair(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """Test-only: layers, then one group holding both sharers of the tied embedding/lm_head Parameter."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = _layer_classes(model)
+    by_path = dict(model.named_modules())
+    paths = [p for p, m in by_path.items() if type(m).__name__ in layers]
+    for path in sorted(paths, key=lambda p: -p.count(".")):
+        fully_shard(by_path[path], **fsdp_kwargs)
+    fully_shard([model.get_input_embeddings(), model.get_output_embeddings()], **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return paths
+
+
 def _test_root_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[str]:
     """Test-only: one group, the root."""
     return _shard_bottom_up(model, [], fsdp_kwargs)

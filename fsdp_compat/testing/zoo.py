@@ -44,14 +44,12 @@ ZOO: dict[str, ZooModel] = {
         ),
         ZooModel(
             "glm4v-tied",
-            "glm4v with top-level tie_word_embeddings=True: lm_head.weight is embed_tokens.weight (one "
-            "Parameter).",
+            "glm4v with top-level tie_word_embeddings=True: lm_head.weight is embed_tokens.weight (one Parameter).",
             only_input_embedding=False,
         ),
         ZooModel(
             "glm4v-moe",
-            "Glm4vMoeForConditionalGeneration, untied, 4 routed experts; same raw vision position read as "
-            "glm4v.",
+            "Glm4vMoeForConditionalGeneration, untied, 4 routed experts; same raw vision position read as glm4v.",
             only_input_embedding=False,
         ),
         ZooModel(
@@ -152,9 +150,7 @@ def _glm4v(tied: bool) -> nn.Module:
 
     # transformers 5 ties on the top-level flag; 4.57 on text_config's: set both so "tied" ties in either.
     text = dict(_GLM_TEXT, tie_word_embeddings=tied, **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]))
-    config = Glm4vConfig(
-        text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=tied, **_GLM_TOKENS
-    )
+    config = Glm4vConfig(text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=tied, **_GLM_TOKENS)
     config._attn_implementation = "eager"
     return Glm4vForConditionalGeneration(config)
 
@@ -174,9 +170,7 @@ def _glm4v_moe() -> nn.Module:
         first_k_dense_replace=1,
         **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]),
     )
-    config = Glm4vMoeConfig(
-        text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=False, **_GLM_TOKENS
-    )
+    config = Glm4vMoeConfig(text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=False, **_GLM_TOKENS)
     config._attn_implementation = "eager"
     return Glm4vMoeForConditionalGeneration(config)
 
@@ -184,9 +178,7 @@ def _glm4v_moe() -> nn.Module:
 def _glm_batch(model_name: str, g: torch.Generator) -> dict[str, torch.Tensor]:
     """Two right-padded rows: 5 text tokens, one image (start, t*h*w/4 image tokens, end), 4 text tokens."""
     merge = _GLM_VISION["spatial_merge_size"] ** 2
-    patch_dim = (
-        _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * _GLM_VISION["patch_size"] ** 2
-    )
+    patch_dim = _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * _GLM_VISION["patch_size"] ** 2
     rows: list[list[int]] = []
     kinds: list[list[int]] = []
     for t, h, w in _GLM_GRID:
@@ -273,9 +265,7 @@ def _fused_lmhead_class() -> type[nn.Module]:
             labels: torch.Tensor | None = None,
             **kwargs: Any,
         ) -> CausalLMOutputWithPast:
-            hidden = self.model(
-                input_ids=input_ids, attention_mask=attention_mask, **kwargs
-            ).last_hidden_state
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
             logits = F.linear(hidden, self.lm_head.weight)
             loss = None
             if labels is not None:
@@ -372,9 +362,7 @@ def _t5_shared() -> nn.Module:
     return model
 
 
-def _text_batch(
-    g: torch.Generator, vocab: int = 128, rows: int = 2, length: int = 12
-) -> dict[str, torch.Tensor]:
+def _text_batch(g: torch.Generator, vocab: int = 128, rows: int = 2, length: int = 12) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(3, vocab, (rows, length), generator=g)
     mask = torch.ones_like(input_ids)
     input_ids[1, -3:] = 0
