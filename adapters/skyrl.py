@@ -1,16 +1,16 @@
-"""SkyRL adapter: every released ``skyrl-train`` and ``skyrl`` shards GLM4V-style models with fsdp-compat's plan.
+"""SkyRL adapter: every released ``skyrl-train`` and ``skyrl`` shards GLM4V-style models with fsdp-compat.
 
 Every SkyRL release gives each untied ``nn.Embedding`` its own FSDP2 group inside ``apply_fsdp2(model,
 fsdp_kwargs, config)``, which crashes models that read an embedding's weight outside its forward (GLM4V:
-``aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor``); the releases up to skyrl-train 0.3.1 and
-skyrl 0.1.0 also index transformers 5's *set* ``_no_split_modules`` with ``[0]`` (``TypeError: 'set' object is not
+``aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor``); skyrl-train 0.1.0-0.3.1 and skyrl 0.1.0
+also index transformers 5's *set* ``_no_split_modules`` with ``[0]`` (``TypeError: 'set' object is not
 subscriptable``). The replacement keeps SkyRL's contract (same arguments, the config's
-``wrap_policy.transformer_layer_cls_to_wrap`` override, ``fsdp_kwargs`` passed to every ``fully_shard``, the root
-wrapped last, returns None) and lets :func:`fsdp_compat.apply.apply_fsdp2` choose the groups.
+``wrap_policy.transformer_layer_cls_to_wrap`` override, ``fsdp_kwargs`` passed to every ``fully_shard``, the
+root wrapped last, returns None) and lets :func:`fsdp_compat.apply.apply_fsdp2` choose the groups.
 
-``fsdp_strategy`` binds ``apply_fsdp2`` by name, so it is rebound there too, whether it is imported before or after
-the patch. A future release that ships the upstream selector ``modules_to_wrap_fsdp2`` gets that function replaced
-instead (its own ``apply_fsdp2`` already looks the selector up at call time).
+``fsdp_strategy`` binds ``apply_fsdp2`` by name, so it is rebound there too, whether it is imported before or
+after the patch. A future release that ships the upstream selector ``modules_to_wrap_fsdp2`` gets that function
+replaced instead (its own ``apply_fsdp2`` already looks the selector up at call time).
 
 Activation: the ``.pth`` start-up hook (SkyRL's Ray workers share the driver's environment), or
 ``import fsdp_compat.adapters.skyrl`` in a custom entry point; ``FSDP_COMPAT=off`` disables both.
@@ -31,7 +31,7 @@ from fsdp_compat.activation import Adapter, Replacement, activate_on_import, log
 
 __all__ = ["ADAPTER", "PACKAGES", "SUPPORTED", "SkyRLAdapter", "is_patched", "patch", "unpatch"]
 
-#: distribution -> supported releases (skyrl-train is superseded by skyrl; skyrl 0.0.1 is an empty placeholder).
+#: distribution -> supported releases (skyrl-train is superseded by skyrl; skyrl 0.0.1 is a placeholder).
 SUPPORTED: dict[str, str] = {
     "skyrl": ">=0.1.0,<0.5",
     "skyrl-train": ">=0.1.0,<0.4",
@@ -49,15 +49,15 @@ _MISSING_REEXPORT = {("skyrl-train", Version("0.3.1")): "MixedPrecisionPolicy"}
 UPSTREAM_SELECTOR = "modules_to_wrap_fsdp2"
 
 
-# ------------------------------------------------------------------------------------------------ replacements
+# ---------------------------------------------------------------------------------------------- replacements
 
 
 def configured_layer_classes(config: Any) -> Any:
-    """``config.wrap_policy.transformer_layer_cls_to_wrap`` when set, else None (= the model's ``_no_split_modules``).
+    """``config.wrap_policy.transformer_layer_cls_to_wrap`` when set, else None (the model's layer classes).
 
-    Accepts what each release passes: skyrl-train's ``config.get("wrap_policy", {})`` on a DictConfig and skyrl's
-    ``getattr(config, "wrap_policy", {})`` on its ``FSDPConfig`` dataclass or a DictConfig. An unset, None or empty
-    override means "use the model's layer classes" (upstream crashed on None or empty).
+    Accepts what each release passes: skyrl-train's ``config.get("wrap_policy", {})`` on a DictConfig and
+    skyrl's ``getattr(config, "wrap_policy", {})`` on its ``FSDPConfig`` dataclass or a DictConfig. An unset,
+    None or empty override means "use ``model._no_split_modules``" (upstream crashed on None or empty).
     """
     if config is None:
         return None
@@ -91,7 +91,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
 
 
 def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
-    """The upstream selector ``modules_to_wrap_fsdp2(model, cls_names)``: fsdp-compat's flat bottom-up targets."""
+    """The upstream selector ``modules_to_wrap_fsdp2(model, cls_names)``: fsdp-compat's bottom-up targets."""
 
     @functools.wraps(original)
     def modules_to_wrap_fsdp2(model: Any, cls_names: Any = None, *args: Any, **kwargs: Any) -> list[Any]:
@@ -104,11 +104,11 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
     return modules_to_wrap_fsdp2
 
 
-# ----------------------------------------------------------------------------------------------------- adapter
+# --------------------------------------------------------------------------------------------------- adapter
 
 
 class SkyRLAdapter(Adapter):
-    """skyrl-train 0.1.0-0.3.x and skyrl 0.1.0-0.4.x: ``fsdp_utils.apply_fsdp2`` (also in ``fsdp_strategy``)."""
+    """skyrl-train 0.1.0-0.3.x, skyrl 0.1.0-0.4.x: ``fsdp_utils.apply_fsdp2`` (also in ``fsdp_strategy``)."""
 
     name = "skyrl"
     supported = SUPPORTED

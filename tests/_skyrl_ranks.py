@@ -1,14 +1,14 @@
-"""Rank-side code for the SkyRL tests: harness wrap fns and the Ray actor, with this machine's test workarounds.
+"""Rank-side code for the SkyRL tests: harness wrap fns and the Ray actor, with this machine's workarounds.
 
 Imported in fresh rank interpreters and Ray workers (``tests/`` and ``tests/_skyrl_stubs`` on PYTHONPATH). It
 imports no fsdp_compat adapter, so whatever patches SkyRL here is the ``.pth`` hook (or an explicit wrap fn).
 
 Test-only workarounds, never in the product:
-- Python 3.11: skyrl 0.2-0.4 declare pydantic models over ``typing.TypedDict``, which pydantic rejects before 3.12
-  (SkyRL requires 3.12); ``typing_extensions.TypedDict`` is the same thing there.
-- ``FSDP_COMPAT_TEST_REPAIR_MPP=1``: skyrl-train 0.3.1's ``fsdp_strategy`` imports ``MixedPrecisionPolicy`` from
-  ``fsdp_utils``, which no longer has it; add it after ``fsdp_utils`` loads and before ``fsdp_strategy`` does, so
-  that runs without the adapter (``FSDP_COMPAT=off``) reach the real FSDP2 crash.
+- Python 3.11: skyrl 0.2-0.4 declare pydantic models over ``typing.TypedDict``, which pydantic rejects before
+  3.12 (SkyRL requires 3.12); ``typing_extensions.TypedDict`` is the same thing there.
+- ``FSDP_COMPAT_TEST_REPAIR_MPP=1``: skyrl-train 0.3.1's ``fsdp_strategy`` imports ``MixedPrecisionPolicy``
+  from ``fsdp_utils``, which no longer has it; add it after ``fsdp_utils`` loads and before ``fsdp_strategy``
+  does, so that runs without the adapter (``FSDP_COMPAT=off``) reach the real FSDP2 crash.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if sys.version_info < (3, 12):
 
     typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
 
-from fsdp_compat.testing.skyrl_smoke import (  # noqa: E402
+from fsdp_compat.testing.skyrl_smoke import (
     _PACKAGES,
     installed_skyrl,
     probe,
@@ -68,8 +68,8 @@ def wrap_explicit_late(model: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any
 class RayRank:
     """A Ray actor (decorated in the test): one gloo rank that trains through SkyRL's ``apply_fsdp2``.
 
-    Imports SkyRL first and records whether its ``apply_fsdp2`` was replaced before any fsdp_compat adapter was
-    imported here; then runs the harness's rank routine (zoo GLM4V, AdamW, parity against a local copy).
+    Imports SkyRL first and records whether its ``apply_fsdp2`` was replaced before any fsdp_compat adapter
+    was imported here; then runs the harness's rank routine (zoo GLM4V, AdamW, parity against a local copy).
     """
 
     def run(self, rank: int, world_size: int, port: int, steps: int, timeout_s: float) -> dict[str, Any]:
@@ -80,10 +80,11 @@ class RayRank:
         from fsdp_compat.testing.skyrl_smoke import strategy_module
 
         strategy = strategy_module()
+        patched = bool(getattr(strategy.apply_fsdp2, "__fsdp_compat__", False))
         seen = {
             "pid": os.getpid(),
             "adapter_imported_before_skyrl": adapter_before,
-            "strategy_apply_fsdp2_patched_on_import": bool(getattr(strategy.apply_fsdp2, "__fsdp_compat__", False)),
+            "strategy_apply_fsdp2_patched_on_import": patched,
         }
         from fsdp_compat.testing import harness
 

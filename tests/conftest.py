@@ -12,7 +12,8 @@ import pytest
 import torch
 
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
-WORLD_SIZE = max(2, torch.cuda.device_count()) if DEVICE == "cuda" else 2
+# One NCCL rank per visible GPU (NCCL refuses two ranks on one GPU); 2 gloo ranks on CPU.
+WORLD_SIZE = max(1, torch.cuda.device_count()) if DEVICE == "cuda" else 2
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

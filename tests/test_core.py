@@ -61,8 +61,9 @@ def test_auto_selects_what_upstream_selects_for_text_models(name: str) -> None:
     auto = _paths(model, fsdp_compat.select_wrap_targets(model))
     upstream = _upstream_verl_rule(model, set(model._no_split_modules))
     legacy = _paths(model, fsdp_compat.select_wrap_targets(model, policy="legacy"))
-    if name == "qwen2-fused-lmhead":
-        # The one departure: lm_head is read raw by the root forward, so it must not own a group.
+    if name in ("qwen2-fused-lmhead", "qwen2-zloss"):
+        # The departure: lm_head is read raw by the root forward, so it must not own a plain group (zloss: the
+        # read comes after lm_head's forward, so the full plan keeps lm_head's group unsharded until backward).
         assert set(auto) == upstream - {"lm_head"}
     else:
         assert set(auto) == upstream
@@ -100,6 +101,15 @@ def test_tied_glm4v_keeps_sharers_in_one_group() -> None:
     assert [g.paths for g in shared] == [("lm_head", "model.language_model.embed_tokens")]
     flat = _paths(model, fsdp_compat.select_wrap_targets(model))
     assert "lm_head" not in flat and "model.language_model.embed_tokens" not in flat
+
+
+def test_read_after_own_forward_keeps_the_group_unsharded() -> None:
+    model = build_model("qwen2-zloss")
+    plan = fsdp_compat.plan_wrap(model)
+    (group,) = [g for g in plan.groups if g.paths == ("lm_head",)]
+    assert group.kind == "no-reshard" and dict(group.overrides) == {"reshard_after_forward": False}
+    assert "read again after its own forward" in group.reason
+    assert unsafe_reads(model, fsdp_compat.plan_wrap(model, policy="legacy"))
 
 
 def test_groups_are_bottom_up_and_unique() -> None:

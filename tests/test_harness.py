@@ -39,7 +39,9 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_glm4v_parity_with_safe_wrap() -> None:
-    result = run_training("glm4v", W + "_test_layers_and_input", steps=3, probe=W + "_test_probe")
+    result = run_training(
+        "glm4v", W + "_test_layers_and_input", steps=3, probe=W + "_test_probe", env={"FSDP_COMPAT_TEST_MARK": "m1"}
+    )
     result.raise_for_error()
     print(
         f"glm4v layers+input: Δgrad={result.max_abs_grad_diff} Δparam={result.max_abs_param_diff} "
@@ -53,7 +55,7 @@ def test_glm4v_parity_with_safe_wrap() -> None:
         assert len(r.losses) == 3 and r.losses == r.extra["reference_losses"]
         assert r.losses[-1] < r.losses[0]
         assert r.step_time_s > 0
-        assert r.extra["probe"]["rank"] == r.rank
+        assert r.extra["probe"]["rank"] == r.rank and r.extra["probe"]["mark"] == "m1"
         groups = r.extra["fsdp_groups"]
         assert "" in groups and "model.language_model.embed_tokens" in groups
         assert "model.visual.embeddings.position_embedding" not in groups

@@ -61,10 +61,13 @@ def _venv(path: Path, wheel: Path) -> Path:
             env=CLEAN_ENV,
         ).stdout.strip()
     )
-    # wrapt and packaging (and torch, for the adapters) from this interpreter, as a plain path entry: .pth
-    # files in that folder are not processed, so only the wheel's own fsdp_compat.pth runs at start.
-    deps = {str(Path(wrapt.__file__).parents[1]), str(Path(packaging.__file__).parents[1])}
-    (site_dir / "zz_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    # Copies of wrapt and packaging from this interpreter, on a plain path entry. Not this interpreter's whole
+    # site-packages: under tox that holds an installed fsdp_compat, which would shadow the one under test.
+    deps = path / "test-deps"
+    for package in (wrapt, packaging):
+        source = Path(package.__file__).parent
+        shutil.copytree(source, deps / source.name, ignore=shutil.ignore_patterns("__pycache__"))
+    (site_dir / "zz_test_deps.pth").write_text(f"{deps}\n")
     return python
 
 

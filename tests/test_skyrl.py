@@ -307,8 +307,10 @@ def test_ray_actors_are_patched_by_the_pth_hook(monkeypatch: pytest.MonkeyPatch)
         assert extra["strategy_apply_fsdp2_patched_on_import"] is True
         assert extra["probe"]["patched"] and extra["probe"]["activated_by"] == "pth-hook"
         assert r["max_abs_grad_diff"] == 0.0 and r["max_abs_param_diff"] == 0.0
-    print(f"{RELEASE} ray: Δgrad={max(r['max_rel_grad_diff'] for r in results)} "
-          f"Δparam={max(r['max_rel_param_diff'] for r in results)}")
+    print(
+        f"{RELEASE} ray: Δgrad={max(r['max_rel_grad_diff'] for r in results)} "
+        f"Δparam={max(r['max_rel_param_diff'] for r in results)}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- smoke

@@ -11,25 +11,25 @@ import dataclasses
 import sys
 import types
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from packaging.version import Version
 
 pytest.importorskip("torch")
 
-from torch import nn  # noqa: E402
-
-from fsdp_compat.activation import FsdpCompatWarning  # noqa: E402
-from fsdp_compat.adapters import skyrl as skyrl_adapter  # noqa: E402
-from fsdp_compat.adapters.skyrl import (  # noqa: E402
+from fsdp_compat.adapters import skyrl as skyrl_adapter
+from fsdp_compat.adapters.skyrl import (
     PACKAGES,
     SUPPORTED,
     SkyRLAdapter,
     configured_layer_classes,
     make_apply_fsdp2,
 )
-from fsdp_compat.errors import FsdpCompatError  # noqa: E402
+from torch import nn
+
+from fsdp_compat.activation import FsdpCompatWarning
+from fsdp_compat.errors import FsdpCompatError
 
 RELEASES = {
     "skyrl-train": ["0.1.0", "0.2.0", "0.3.0", "0.3.1"],
@@ -125,7 +125,7 @@ class _VisionEmbeddings(nn.Module):
 
 
 class _TinyVLM(nn.Module):
-    _no_split_modules = {"_DecoderLayer"}  # a set, as transformers 5 has it
+    _no_split_modules: ClassVar[set[str]] = {"_DecoderLayer"}  # a set, as transformers 5 has it
 
     def __init__(self) -> None:
         super().__init__()

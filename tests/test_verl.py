@@ -320,7 +320,8 @@ def test_selector_semantics() -> None:
             model._verl_fused_kernels_backend = "torch"
             out[zoo]["auto_marked"] = names(model, auto(model, layers[0]))
         print(json.dumps(out))
-        """
+        """,
+        env={"FSDP_COMPAT": "off"},  # importing the adapter must not patch: `original` is verl's own
     )
     for zoo, got in out.items():
         assert got["legacy"] == got["verl"], (zoo, got)

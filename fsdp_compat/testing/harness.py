@@ -149,10 +149,14 @@ def _wrap_spec(fn: Any) -> str | None:
     return f"{module}:{qualname}"
 
 
-def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+def _child_env(env: dict[str, str | None] | None) -> dict[str, str]:
     """The parent's environment, plus ``env``, plus the folder holding this fsdp_compat on PYTHONPATH."""
     out = dict(os.environ)
-    out.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:  # None removes a variable from the ranks' environment
+            out.pop(key, None)
+        else:
+            out[key] = value
     root = str(Path(__file__).resolve().parents[2])
     site_dirs = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
     if root not in site_dirs:
@@ -164,12 +168,13 @@ def _child_env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the rank's whole session (the rank and anything it started), then reap it."""
+    """SIGKILL a still-running rank's whole session (the rank and anything it started), then reap it.
+
+    Only while the rank is unreaped does its pid name our session for sure, so an exited rank is not signalled.
+    """
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the session after the leader exited
     proc.wait()
 
 
@@ -189,7 +194,7 @@ def run_training(
     steps: int = 3,
     device: str = "cpu",
     timeout_s: float = 180.0,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     seed: int = 0,
     wrap_kwargs: dict[str, Any] | None = None,
     probe: WrapFn | None = None,
@@ -199,7 +204,8 @@ def run_training(
 
     Every rank builds the model with ``seed``, deep-copies it as the single-process reference, calls the wrap
     fn as ``fn(model, fsdp_kwargs)`` and compares gradients after each backward and parameters after each step
-    against the reference. ``python`` runs the ranks under another interpreter (e.g. a framework's venv).
+    against the reference. ``env`` is set in each rank before Python starts (a None value unsets that
+    variable); ``python`` runs the ranks under another interpreter (e.g. a framework's venv).
     """
     if world_size < 1:
         from fsdp_compat.errors import FsdpCompatError

@@ -1,17 +1,17 @@
 """The SkyRL smoke: tiny GLM4V on real gloo ranks through the name SkyRL calls, ``fsdp_strategy.apply_fsdp2``.
 
 Whatever SkyRL release is installed (``skyrl-train`` or ``skyrl``), each rank builds SkyRL's own FSDP config
-object and ``fsdp_kwargs`` the way ``FSDPStrategy._fsdp_init_model`` does (fp32 mixed-precision policy, so parity
-is exact) and calls ``fsdp_strategy.apply_fsdp2(model, fsdp_kwargs, config)``:
+object and ``fsdp_kwargs`` the way ``FSDPStrategy._fsdp_init_model`` does (fp32 mixed-precision policy, so
+parity is exact) and calls ``fsdp_strategy.apply_fsdp2(model, fsdp_kwargs, config)``:
 
-- ``unpatched`` (``FSDP_COMPAT=off``): the upstream crash: the grid_sampler error, or, on releases that index the
-  transformers-5 *set* ``_no_split_modules`` with ``[0]``, the ``TypeError`` when no wrap policy is configured;
+- ``unpatched`` (``FSDP_COMPAT=off``): the upstream crash: the grid_sampler error, or, on releases that index
+  the transformers-5 *set* ``_no_split_modules`` with ``[0]``, the ``TypeError`` when no wrap policy is set;
 - ``patched (pth hook)``: nothing imports fsdp_compat's adapter; the installed ``.pth`` patches SkyRL when its
   ``fsdp_utils`` is imported; expected: exact fp32 parity against a single process;
 - ``patched (explicit import)``: ``import fsdp_compat.adapters.skyrl`` before SkyRL, ``.pth`` hooks off.
 
-The ``wrap_*`` and ``probe`` functions are the rank side (harness wrap fns). They import no fsdp_compat adapter
-unless named so, which is what makes the ``.pth`` row a real test of automatic activation.
+The ``wrap_*`` and ``probe`` functions are the rank side (harness wrap fns). They import no fsdp_compat
+adapter unless named so, which is what makes the ``.pth`` row a real test of automatic activation.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ MPP_IMPORT_ERROR = "cannot import name 'MixedPrecisionPolicy'"
 SET_INDEX_RELEASES = {"skyrl-train": SpecifierSet("<0.4"), "skyrl": SpecifierSet("<0.2")}
 
 #: Rank-side choice of SkyRL config: "default" (the release's shipped defaults, no wrap policy), "explicit"
-#: (wrap_policy.transformer_layer_cls_to_wrap names GLM4V's layer classes), "text-only" (names only the text decoder
-#: layer); a "dictconfig-" prefix gives skyrl an OmegaConf DictConfig instead of its FSDPConfig dataclass.
+#: (wrap_policy.transformer_layer_cls_to_wrap names GLM4V's layer classes), "text-only" (only the text
+#: decoder layer); a "dictconfig-" prefix gives skyrl an OmegaConf DictConfig instead of its FSDPConfig.
 ENV_CONFIG = "FSDP_COMPAT_SKYRL_CONFIG"
 
 GLM4V_LAYERS = ["Glm4vTextDecoderLayer", "Glm4vVisionBlock"]
@@ -85,7 +85,7 @@ def _require_skyrl() -> tuple[str, Version]:
 
 
 def strategy_module() -> ModuleType:
-    """SkyRL's ``fsdp_strategy`` module of the installed release (imports ``fsdp_utils`` first, as SkyRL does)."""
+    """SkyRL's ``fsdp_strategy`` module of the installed release (it imports ``fsdp_utils`` first)."""
     distribution, _ = _require_skyrl()
     return importlib.import_module(f"{_PACKAGES[distribution]}.fsdp_strategy")
 
@@ -116,7 +116,7 @@ def skyrl_config(case: str | None = None) -> Any:
 
 
 def skyrl_fsdp_kwargs(strategy: ModuleType, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``fsdp_kwargs`` as ``_fsdp_init_model`` builds them: mesh, mp_policy, offload_policy, reshard_after_forward."""
+    """``fsdp_kwargs`` as ``_fsdp_init_model`` builds them (mesh, mp_policy, offload_policy, reshard)."""
     import torch
 
     mp_policy = strategy.MixedPrecisionPolicy(
@@ -161,7 +161,7 @@ def wrap_strategy(model: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def wrap_explicit(model: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Harness wrap fn: ``import fsdp_compat.adapters.skyrl`` (the documented explicit activation), then SkyRL."""
+    """Harness wrap fn: ``import fsdp_compat.adapters.skyrl`` (explicit activation), then SkyRL."""
     importlib.import_module("fsdp_compat.adapters.skyrl")
     return wrap_strategy(model, fsdp_kwargs)
 
@@ -191,24 +191,33 @@ def run(
 ) -> list[SmokeRow]:
     """Unpatched (crash expected) and patched (parity expected) rows for the installed SkyRL release.
 
-    ``rank_module`` names the module holding the rank-side functions (a test module may wrap these with its own
-    interpreter workarounds); ``env`` is added to every rank's environment.
+    ``rank_module`` names the module holding the rank-side functions (a test module may wrap these with its
+    own interpreter workarounds); ``env`` is added to every rank's environment.
     """
     found = installed_skyrl()
     if found is None:
-        return [SmokeRow("skyrl", "installed", "ok", "crash", "no skyrl or skyrl-train distribution installed",
-                         None, None, 0.0)]
+        missing = "no skyrl or skyrl-train distribution installed"
+        return [SmokeRow("skyrl", "installed", "ok", "crash", missing, None, None, 0.0)]
     distribution, version = found
     framework = f"{distribution} {version}"
     base = dict(env or {})
     cases = [
-        ("unpatched, no wrap policy", "wrap_strategy", {"FSDP_COMPAT": "off", ENV_CONFIG: "default"},
-         "crash", _crash_text(distribution, version, "default")),
-        ("unpatched, explicit wrap policy", "wrap_strategy", {"FSDP_COMPAT": "off", ENV_CONFIG: "explicit"},
-         "crash", GRID_SAMPLER_CRASH),
+        (
+            "unpatched, no wrap policy",
+            "wrap_strategy",
+            {"FSDP_COMPAT": "off", ENV_CONFIG: "default"},
+            "crash",
+            _crash_text(distribution, version, "default"),
+        ),
+        (
+            "unpatched, explicit wrap policy",
+            "wrap_strategy",
+            {"FSDP_COMPAT": "off", ENV_CONFIG: "explicit"},
+            "crash",
+            GRID_SAMPLER_CRASH,
+        ),
         ("patched (pth hook)", "wrap_strategy", {ENV_CONFIG: "default"}, "ok", ""),
-        ("patched (explicit import)", "wrap_explicit", {"FSDP_COMPAT_AUTOLOAD": "0", ENV_CONFIG: "explicit"},
-         "ok", ""),
+        ("patched (explicit import)", "wrap_explicit", {"FSDP_COMPAT_AUTOLOAD": "0", ENV_CONFIG: "explicit"}, "ok", ""),
     ]
     if distribution == "skyrl-train" and version == Version("0.3.1") and rank_module == __name__:
         # Released broken: without the adapter its fsdp_strategy cannot be imported at all.

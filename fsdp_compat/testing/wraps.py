@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["core_auto", "core_input_only", "core_layers_only", "core_legacy", "core_legacy_skyrl"]
+__all__ = ["core_auto", "core_auto_lift_all", "core_input_only", "core_layers_only", "core_legacy", "core_legacy_skyrl"]
 
 
-def _core(model: nn.Module, fsdp_kwargs: dict[str, Any], policy: str) -> str:
+def _core(model: nn.Module, fsdp_kwargs: dict[str, Any], policy: Any) -> str:
     from fsdp_compat.apply import apply_fsdp2
 
     return str(apply_fsdp2(model, fsdp_kwargs, policy=policy))
@@ -24,6 +24,14 @@ def _core(model: nn.Module, fsdp_kwargs: dict[str, Any], policy: str) -> str:
 def core_auto(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     """fsdp-compat's default plan."""
     return _core(model, fsdp_kwargs, "auto")
+
+
+def core_auto_lift_all(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """``auto`` with ``lift_min_bytes=0``: every raw-read table is lifted into a group at its reader, however
+    small (on the tiny zoo models the default size threshold would keep them in the enclosing group instead)."""
+    from fsdp_compat.policies import Auto
+
+    return _core(model, fsdp_kwargs, Auto(lift_min_bytes=0))
 
 
 def core_legacy(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
@@ -120,17 +128,9 @@ def _test_hang_on_rank1(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> list[s
 
 
 def _test_probe() -> dict[str, Any]:
-    """Test-only probe: reports this rank's identity."""
+    """Test-only probe: reports this rank's identity and the test marker variable from its environment."""
     import os
 
     import torch.distributed as dist
 
-    return {"rank": dist.get_rank(), "pid": os.getpid()}
-
-
-def core_auto_lift_all(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
-    """``auto`` with ``lift_min_bytes=0``: every unsafe candidate is lifted into a group at its reader."""
-    from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.policies import Auto
-
-    return str(apply_fsdp2(model, fsdp_kwargs, policy=Auto(lift_min_bytes=0)))
+    return {"rank": dist.get_rank(), "pid": os.getpid(), "mark": os.environ.get("FSDP_COMPAT_TEST_MARK")}

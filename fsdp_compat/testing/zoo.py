@@ -71,6 +71,12 @@ ZOO: dict[str, ZooModel] = {
             only_input_embedding=True,
         ),
         ZooModel(
+            "qwen2-zloss",
+            "Qwen2ForCausalLM subclass that calls lm_head and then reads lm_head.weight again in the root "
+            "forward (a weight-norm penalty): a read after the module's own forward.",
+            only_input_embedding=True,
+        ),
+        ZooModel(
             "t5-shared",
             "T5ForConditionalGeneration in the transformers-4 / flan-t5 state: shared, encoder.embed_tokens "
             "and decoder.embed_tokens are one Parameter, lm_head untied, config.tie_word_embeddings False; "
@@ -289,6 +295,8 @@ def __getattr__(name: str) -> Any:
     # importing transformers at module import.
     if name == "Qwen2FusedLmHeadForCausalLM":
         return _fused_class()
+    if name == "Qwen2WeightPenaltyForCausalLM":
+        return _zloss_type()
     raise AttributeError(name)
 
 
@@ -301,6 +309,52 @@ def _fused_class() -> type[nn.Module]:
 
 def _qwen2_fused() -> nn.Module:
     return _fused_class()(_qwen2_config())
+
+
+def _zloss_class() -> type[nn.Module]:
+    """A Qwen2ForCausalLM whose root forward reads ``self.lm_head.weight`` *after* calling ``self.lm_head``."""
+    from transformers import Qwen2ForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class Qwen2WeightPenaltyForCausalLM(Qwen2ForCausalLM):
+        """Test model: loss = cross entropy + 1e-3 * mean(lm_head.weight ** 2), read after lm_head's forward."""
+
+        def forward(
+            self,
+            input_ids: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None,
+            labels: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> CausalLMOutputWithPast:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+            logits = self.lm_head(hidden)
+            loss = None
+            if labels is not None:
+                loss = F.cross_entropy(
+                    logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=-100,
+                )
+                loss = loss + 1e-3 * self.lm_head.weight.pow(2).mean()
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    Qwen2WeightPenaltyForCausalLM.__module__ = __name__
+    Qwen2WeightPenaltyForCausalLM.__qualname__ = "Qwen2WeightPenaltyForCausalLM"
+    return Qwen2WeightPenaltyForCausalLM
+
+
+_ZLOSS_CLASS: type[nn.Module] | None = None
+
+
+def _zloss_type() -> type[nn.Module]:
+    global _ZLOSS_CLASS
+    if _ZLOSS_CLASS is None:
+        _ZLOSS_CLASS = _zloss_class()
+    return _ZLOSS_CLASS
+
+
+def _qwen2_zloss() -> nn.Module:
+    return _zloss_type()(_qwen2_config())
 
 
 def _gemma3n() -> nn.Module:
@@ -386,6 +440,7 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "qwen2": _qwen2,
     "gemma3n": _gemma3n,
     "qwen2-fused-lmhead": _qwen2_fused,
+    "qwen2-zloss": _qwen2_zloss,
     "t5-shared": _t5_shared,
 }
 

@@ -1,0 +1,361 @@
+"""Checkpoints across wrap policies: DCP save under one policy, load and resume under another, on real gloo ranks.
+
+Users switch to fsdp-compat in the middle of long runs, on checkpoints written by the unpatched framework. The
+wrap policy only decides which modules are FSDP2 groups; parameter and optimizer-state names, shapes and values
+must not depend on it. :func:`run_phases` proves that on W fresh ranks: each *phase* builds a zoo model, shards it
+under a policy, optionally loads a torch.distributed.checkpoint (DCP) written by an earlier phase or run, trains,
+and saves DCP checkpoints plus the full state dict that verl and SkyRL gather for saving and for weight sync
+(``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``) for the parent to compare.
+
+The parent side reuses the harness's process handling: one deadline, ranks in their own sessions, every process
+killed and reaped, each failing rank's traceback in the result. Also here: wrap fns for the harness that pass
+mixed precision and CPU offload through :func:`fsdp_compat.apply.apply_fsdp2`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_compat.testing.harness import (
+    _FAIL_GRACE_S,
+    RankResult,
+    RunResult,
+    _child_env,
+    _collect,
+    _exit_when_orphaned,
+    _free_port,
+    _jsonable_dict,
+    _kill_group,
+)
+
+__all__ = ["Phase", "auto_bf16_cpu_offload", "dtype_probe", "load_full", "run_phases"]
+
+
+@dataclass
+class Phase:
+    """One model's life in a rank: build, shard under ``policy``, maybe load, train to ``steps``, maybe save.
+
+    ``load`` names a checkpoint tag written earlier (``<phase tag>_s<step>``); training resumes at that step.
+    ``save_at`` lists the (1-based) steps after which a DCP checkpoint and the full state dicts are written.
+    ``reference`` also trains an unsharded deep copy, for exact parity of the loss trajectory.
+    ``rewrap`` tries ``apply_fsdp2`` a second time at the end (it must refuse and change nothing).
+    """
+
+    tag: str
+    policy: str
+    model: str = ""  # zoo model name; "" = the run's model
+    seed: int = 0
+    steps: int = 0
+    load: str | None = None
+    save_at: list[int] = field(default_factory=list)
+    reference: bool = False
+    rewrap: bool = False
+
+
+def run_phases(
+    model: str,
+    phases: list[Phase],
+    workdir: str | os.PathLike[str],
+    *,
+    world_size: int = 2,
+    timeout_s: float = 180.0,
+    device: str = "cpu",
+) -> RunResult:
+    """Run ``phases`` in order on ``world_size`` fresh ranks; checkpoints go to ``workdir`` (shared by runs).
+
+    Each rank's ``extra["phases"]`` maps a phase tag to what it measured (losses by step, state-dict keys, the
+    re-wrap error). Full state dicts are written by rank 0 as ``<workdir>/<tag>_s<step>_full.pt`` (at a save)
+    and ``<workdir>/<tag>_loaded_full.pt`` (right after a load); read them with :func:`load_full`.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    cfg = {
+        "model": model,
+        "phases": [asdict(p) for p in phases],
+        "workdir": str(Path(workdir).resolve()),
+        "world_size": world_size,
+        "timeout_s": timeout_s,
+        "device": device,
+        "port": _free_port(),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    killed: dict[int, str] = {}
+    with tempfile.TemporaryDirectory(prefix="fsdp_compat_ckpt_") as tmp:
+        work = Path(tmp)
+        (work / "config.json").write_text(json.dumps(cfg))
+        code = "from fsdp_compat.testing.checkpoints import _rank_main; _rank_main()"
+        env = _child_env(None)
+        try:
+            for rank in range(world_size):
+                with open(work / f"rank{rank}.log", "wb") as out:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-c", code, str(work), str(rank)],
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            first_failure: float | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+                    first_failure = now
+                reason = None
+                if first_failure is not None and now - first_failure > _FAIL_GRACE_S:
+                    reason = "killed: another rank failed first (see its traceback)"
+                elif now > deadline:
+                    reason = f"timed out after {timeout_s:g}s"
+                if reason:
+                    killed.update({r: reason for r, p in enumerate(procs) if p.poll() is None})
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                _kill_group(p)
+        ranks = [_collect(work, rank, p, killed.get(rank)) for rank, p in enumerate(procs)]
+    return RunResult(ranks=ranks, seconds=time.monotonic() - start)
+
+
+def load_full(workdir: str | os.PathLike[str], name: str) -> dict[str, Any]:
+    """A full state dict file written by rank 0: ``{"model": {fqn: tensor}, "optim": {...}}``."""
+    import torch
+
+    return torch.load(Path(workdir) / f"{name}_full.pt", map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rank side
+
+
+def _rank_main() -> None:
+    """Entry point of one rank: ``python -c ... WORKDIR RANK``; writes ``rank<N>.json`` like the harness."""
+    work, rank = Path(sys.argv[1]), int(sys.argv[2])
+    _exit_when_orphaned()
+    cfg = json.loads((work / "config.json").read_text())
+    extra: dict[str, Any] = {}
+    try:
+        _run(cfg, rank, extra)
+        result = RankResult(rank=rank, ok=True, extra=extra)
+    except BaseException as exc:
+        extra["failed_at"] = time.time()
+        extra["exception"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        result = RankResult(rank=rank, ok=False, error=traceback.format_exc(), extra=_jsonable_dict(extra))
+    tmp = work / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(asdict(result), default=str))
+    tmp.replace(work / f"rank{rank}.json")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result.ok else 1)  # peers may be stuck in a collective after a failure: no teardown
+
+
+def _run(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    start = time.perf_counter()
+    world_size = cfg["world_size"]
+    cuda = cfg["device"].startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=cfg["timeout_s"]),
+    )
+    mesh = init_device_mesh(dev.type, (world_size,))
+    extra["phases"] = {}
+    for spec in cfg["phases"]:
+        phase = Phase(**spec)
+        out: dict[str, Any] = {}
+        extra["phases"][phase.tag] = out
+        t0 = time.perf_counter()
+        _phase(phase.model or cfg["model"], phase, Path(cfg["workdir"]), mesh, dev, out)
+        out["seconds"] = time.perf_counter() - t0
+    extra["setup_s"] = time.perf_counter() - start
+
+
+def _full_state(model: Any, opt: Any) -> dict[str, Any]:
+    """The gathered state verl/SkyRL save and sync to rollout engines (collective; complete on rank 0 only)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, opt, options=options),
+    }
+
+
+def _save_full(model: Any, opt: Any, path: Path) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    state = _full_state(model, opt)
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    return state
+
+
+def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dict[str, Any]) -> None:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from fsdp_compat.apply import apply_fsdp2
+    from fsdp_compat.errors import FsdpCompatError
+    from fsdp_compat.testing.harness import _fsdp_group_paths
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    model = build_model(name, seed=phase.seed, device=dev)
+    out["plain_keys"] = list(model.state_dict())
+    reference = copy.deepcopy(model) if phase.reference else None
+    fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": True}
+    plan = apply_fsdp2(model, fsdp_kwargs, policy=phase.policy)
+    out["groups"] = [list(g.paths) for g in plan.groups]
+    out["fsdp_groups"] = _fsdp_group_paths(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3) if reference is not None else None
+    sharded = get_model_state_dict(model)
+    out["sharded_keys"] = {k: [list(v.shape), type(v).__name__] for k, v in sharded.items()}
+    # Not get_optimizer_state_dict here: on a fresh optimizer it runs a zero-lr step() to create the state, which
+    # advances AdamW's step count and changes the trajectory. Only loads and saves call it.
+
+    start = 0
+    if phase.load:
+        meta = json.loads((workdir / f"{phase.load}.json").read_text())
+        before = _full_state(model, opt)["model"]
+        if dist.get_rank() == 0:
+            saved = torch.load(workdir / f"{phase.load}_full.pt", map_location="cpu", weights_only=True)["model"]
+            out["differs_before_load"] = sorted(k for k in saved if not torch.equal(saved[k], before[k]))
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=str(workdir / phase.load))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, optim_state_dict=state["optim"])
+        _save_full(model, opt, workdir / f"{phase.tag}_loaded_full.pt")
+        start = int(meta["step"])
+        out["loaded_step"] = start
+
+    batch = make_batch(name, seed=0, device=dev)
+    losses: dict[int, float] = {}
+    ref_losses: dict[int, float] = {}
+    for step in range(start + 1, phase.steps + 1):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses[step] = float(loss.detach())
+        if reference is not None and ref_opt is not None:
+            ref_loss = reference(**batch).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref_losses[step] = float(ref_loss.detach())
+        if step in phase.save_at:
+            tag = f"{phase.tag}_s{step}"
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.save(state, checkpoint_id=str(workdir / tag))
+            _save_full(model, opt, workdir / f"{tag}_full.pt")
+            if dist.get_rank() == 0:
+                (workdir / f"{tag}.json").write_text(json.dumps({"step": step, "policy": phase.policy}))
+            dist.barrier()
+    out["losses"] = {str(k): v for k, v in losses.items()}
+    out["reference_losses"] = {str(k): v for k, v in ref_losses.items()}
+    if opt.state:
+        out["optim_keys"] = sorted(get_optimizer_state_dict(model, opt)["state"])
+
+    if phase.rewrap:
+        before_groups = _fsdp_group_paths(model)
+        try:
+            apply_fsdp2(model, fsdp_kwargs, policy="auto")
+            out["rewrap_error"] = None
+        except FsdpCompatError as exc:
+            out["rewrap_error"] = f"{type(exc).__name__}: {exc}"
+        out["rewrap_groups_unchanged"] = before_groups == _fsdp_group_paths(model)
+        # A user who already called fully_shard on one layer: refused too, and nothing more gets wrapped.
+        from torch.distributed.fsdp import fully_shard
+
+        fresh = build_model(name, seed=phase.seed, device=dev)
+        layers = set(getattr(fresh, "_no_split_modules", None) or ())
+        first = next(path for path, m in fresh.named_modules() if type(m).__name__ in layers)
+        fully_shard(fresh.get_submodule(first), **fsdp_kwargs)
+        try:
+            apply_fsdp2(fresh, fsdp_kwargs, policy="auto")
+            out["partial_error"] = None
+        except FsdpCompatError as exc:
+            out["partial_error"] = f"{type(exc).__name__}: {exc}"
+        out["partial_layer"] = first
+        out["partial_groups_after"] = _fsdp_group_paths(fresh)
+    dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Wrap fns and a probe for run_training: kwargs that cannot travel as JSON (policy objects) are built in the rank.
+
+_SEEN: dict[str, str] = {}
+
+
+def _record_dtypes(model: Any) -> None:
+    """Note the parameter dtype a layer computes with (FSDP2 casts at unshard time under mixed precision)."""
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    layer = next(m for m in model.modules() if type(m).__name__ in layers)
+
+    def hook(module: Any, args: Any) -> None:
+        param = next(module.parameters())
+        _SEEN.setdefault("param_dtype_in_forward", str(param.dtype))
+
+    layer.register_forward_pre_hook(hook)
+
+
+def auto_bf16_cpu_offload(model: Any, fsdp_kwargs: dict[str, Any]) -> str:
+    """``apply_fsdp2`` (auto) with bf16 mixed precision and ``CPUOffloadPolicy`` (pinning only with CUDA)."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from fsdp_compat.apply import apply_fsdp2
+
+    kwargs = {
+        **fsdp_kwargs,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()),
+    }
+    _record_dtypes(model)  # before wrapping: FSDP2 renames the classes; its unshard hook is prepended
+    plan = apply_fsdp2(model, kwargs, policy="auto")
+    _SEEN["sharded_param_device"] = str(next(model.parameters()).to_local().device)
+    return str(plan)
+
+
+def dtype_probe() -> dict[str, str]:
+    """What the wrap fns above observed in this rank."""
+    return dict(_SEEN)
