@@ -116,7 +116,9 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         from fsdp_compat.plan import plan_wrap
 
         utils = sys.modules[original.__module__]
-        fully_shard, context = utils.fully_shard, _fsdp_module_context(utils)
+        fully_shard, context = getattr(utils, "fully_shard", None), _fsdp_module_context(utils)
+        if fully_shard is None:
+            raise RuntimeError("PyTorch version >= 2.4 is required for using fully_shard API (FSDP2)")
         plan = plan_wrap(model, configured_layer_classes(model, config), policy=policy)
         kwargs = dict(fsdp_kwargs or {})
         for group in plan.groups:

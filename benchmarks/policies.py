@@ -205,6 +205,7 @@ def _run_rank(cfg: dict[str, Any], rank: int, report: dict[str, Any], save: Any)
         others = [g.num_bytes for g in plan.groups if g.overrides.get("reshard_after_forward") is not False]
         entry.update(
             groups=len(plan.groups) + (1 if plan.root_bytes else 0),
+            plan_key=[[list(g.paths), sorted(g.overrides.items())] for g in plan.groups],
             fsdp_param_groups=len(groups),
             total_bytes=plan.total_bytes,
             root_bytes=plan.root_bytes,
@@ -382,6 +383,22 @@ def _crash_free(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in entries.values() if e["outcome"] == "ok" and e.get("step_s") is not None]
 
 
+def _noise_floor(ok: list[dict[str, Any]]) -> tuple[float, str] | None:
+    """Policies that produced the very same plan measure the same work: their time ratio is the noise floor."""
+    same: dict[str, list[dict[str, Any]]] = {}
+    for e in ok:
+        same.setdefault(json.dumps(e.get("plan_key")), []).append(e)
+    worst: tuple[float, str] | None = None
+    for entries in same.values():
+        if len(entries) < 2:
+            continue
+        slow, fast = max(entries, key=lambda e: e["step_s"]), min(entries, key=lambda e: e["step_s"])
+        ratio = slow["step_s"] / fast["step_s"]
+        if worst is None or ratio > worst[0]:
+            worst = (ratio, f"{slow['policy']}/{fast['policy']}")
+    return worst
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per model: auto against the best crash-free policy, on time and on peak bytes (the targets)."""
     out: dict[str, dict[str, Any]] = {}
@@ -399,6 +416,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             summary["smallest"] = smallest["policy"]
             summary["time_ok"] = summary["time_vs_fastest"] <= 1 + TIME_TOLERANCE
             summary["peak_ok"] = auto["peak"] <= smallest["peak"]
+            summary["extra_all_gathers"] = auto.get("all_gathers", 0) - fastest.get("all_gathers", 0)
+        summary["noise"] = _noise_floor(ok)
         out[res["model"]] = summary
     return out
 
@@ -459,13 +478,15 @@ def format_results(results: list[dict[str, Any]], *, world_size: int) -> str:
         "peak auto/legacy",
         "auto ≤ every peak",
         "auto within 2 %",
+        "extra all-gathers vs fastest",
+        "noise: same plan, time ratio",
     ]
     rows2 = []
     for res in results:
         e, s = res["entries"], summaries[res["model"]]
         auto, inp, leg = e.get("auto", {}), e.get("input-only", {}), e.get("legacy", {})
         if not s["auto_ok"]:
-            rows2.append([res["model"], "auto crashed", "-", "-", "-", "-", "-", "NO", "NO"])
+            rows2.append([res["model"], "auto crashed", "-", "-", "-", "-", "-", "NO", "NO", "-", "-"])
             continue
         rows2.append(
             [
@@ -478,11 +499,20 @@ def format_results(results: list[dict[str, Any]], *, world_size: int) -> str:
                 fmt_ratio(auto.get("peak"), leg.get("peak")) if leg.get("outcome") == "ok" else "legacy crashed",
                 "yes" if s.get("peak_ok") else "NO",
                 "yes" if s.get("time_ok") else "NO",
+                f"{s.get('extra_all_gathers', 0):+d}",
+                f"{s['noise'][0]:.3f}x ({s['noise'][1]})" if s.get("noise") else "-",
             ]
         )
-    ratios = format_table(header2, rows2, right=(1, 2, 3, 4, 5, 6))
+    ratios = format_table(header2, rows2, right=(1, 2, 3, 4, 5, 6, 9, 10))
+    legend = (
+        "unsharded params / + AG buffers: measured peak during the forward (FSDP2 storage, see the module doc); "
+        "FSDP2 model: benchmarks.fsdp2_unsharded_estimate(plan); plan (package): root + no-reshard + 2 x largest "
+        "group, the unsharded part of WrapPlan.per_rank_bytes; peak/rank (measured) = resident + unsharded + AG "
+        "buffers; peak/rank (package) = WrapPlan.per_rank_bytes(W)['peak_forward'], which adds unsharded x (1-1/W)"
+    )
     return (
-        f"Policies on {world_size} gloo ranks (bytes per rank; fp32; ratios from the same run)\n\n{detail}\n\n"
+        f"Policies on {world_size} gloo ranks (bytes per rank; fp32; ratios from the same run)\n{legend}\n\n"
+        f"{detail}\n\n"
         f"auto against the others (targets: peak <= every crash-free policy; step time within 2 % of the "
         f"fastest crash-free policy)\n\n{ratios}"
     )
@@ -493,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="comma-separated zoo names (default: the whole zoo)")
     parser.add_argument("--policies", default=",".join(POLICY_ORDER))
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per policy (median reported)")
+    parser.add_argument("--steps", type=int, default=21, help="timed steps per policy (median reported)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per model (both ranks killed after)")
     parser.add_argument("--json", default=None, help="also write the raw figures here")

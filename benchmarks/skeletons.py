@@ -31,7 +31,7 @@ WORLD_SIZES = (2, 4, 8, 64)
 WARM_TARGET_MS = 100.0
 
 
-def measure(name: str, *, warm: int = 5) -> dict[str, Any]:
+def measure(name: str, *, warm: int = 9) -> dict[str, Any]:
     """Everything for one reference model (build, plan timings, every policy's plan and verdict)."""
     from fsdp_compat.plan import plan_wrap, unsafe_reads
     from fsdp_compat.testing.skeleton import reference_skeleton
@@ -171,7 +171,7 @@ def format_results(results: list[dict[str, Any]], import_s: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.skeletons", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="comma-separated reference names (default: all)")
-    parser.add_argument("--warm", type=int, default=5, help="warm plan_wrap calls per model (median reported)")
+    parser.add_argument("--warm", type=int, default=9, help="warm plan_wrap calls per model (median reported)")
     args = parser.parse_args(argv)
     t = time.perf_counter()
     import transformers  # noqa: F401 - timed here so the first build does not carry it

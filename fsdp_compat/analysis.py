@@ -83,6 +83,8 @@ class _Use:
 class _FunctionFacts:
     uses: tuple[_Use, ...]
     super_calls: tuple[tuple[str, int], ...]
+    # Calls that hand ``self`` to another function: (callee name as written, parameter position or keyword, line).
+    self_passing: tuple[tuple[str, int | str, int], ...]
     filename: str
     qualname: str
 
@@ -101,7 +103,7 @@ def _source_function(func: Any) -> types.FunctionType:
 
 
 @functools.lru_cache(maxsize=4096)
-def _facts_for_code(code: types.CodeType, func: types.FunctionType) -> _FunctionFacts:
+def _facts_for_code(code: types.CodeType, func: types.FunctionType, self_param: int | str = 0) -> _FunctionFacts:
     try:
         source = textwrap.dedent(inspect.getsource(func))
         module_ast = ast.parse(source)
@@ -113,23 +115,38 @@ def _facts_for_code(code: types.CodeType, func: types.FunctionType) -> _Function
     if node is None:
         raise _Opaque(f"{func.__qualname__} is not defined by a def statement")
     offset = code.co_firstlineno - 1
-    self_name = node.args.args[0].arg if node.args.args else None
-    uses, supers = _collect_uses(node, self_name)
+    positional = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+    if isinstance(self_param, int):
+        self_name = positional[self_param] if self_param < len(positional) else None
+    else:
+        named = {*positional, *(a.arg for a in node.args.kwonlyargs)}
+        self_name = self_param if self_param in named else None
+    if self_name is None:
+        # e.g. a decorator's ``wrapper(*args, **kwargs)`` without functools.wraps: the real code is elsewhere.
+        raise _Opaque(f"{func.__qualname__} takes the module only through *args/**kwargs")
+    uses, supers, passing = _collect_uses(node, self_name)
     return _FunctionFacts(
         uses=tuple(_Use(u.steps, u.how, u.lineno + offset) for u in uses),
         super_calls=tuple((name, line + offset) for name, line in supers),
+        self_passing=tuple((name, where, line + offset) for name, where, line in passing),
         filename=code.co_filename,
         qualname=func.__qualname__,
     )
 
 
-def function_facts(func: Any) -> _FunctionFacts:
-    """Parsed, cached facts about one function: the attribute chains it uses and how (raises _Opaque)."""
+def function_facts(func: Any, self_param: int | str = 0) -> _FunctionFacts:
+    """Parsed, cached facts about one function: the attribute chains it uses and how (raises _Opaque).
+
+    ``self_param`` says which parameter holds the module: the first positional one for methods, another position
+    or a keyword for a plain function the module passes itself to (``eager_attention_forward(self, ...)``).
+    """
     func = _source_function(func)
-    return _facts_for_code(func.__code__, func)
+    return _facts_for_code(func.__code__, func, self_param)
 
 
-def _collect_uses(fn: ast.AST, self_name: str | None) -> tuple[list[_Use], list[tuple[str, int]]]:
+def _collect_uses(
+    fn: ast.AST, self_name: str | None
+) -> tuple[list[_Use], list[tuple[str, int]], list[tuple[str, int | str, int]]]:
     aliases: dict[str, tuple[Step, ...]] = {}
     if self_name:
         aliases[self_name] = ()
@@ -198,7 +215,16 @@ def _collect_uses(fn: ast.AST, self_name: str | None) -> tuple[list[_Use], list[
 
     uses: list[_Use] = []
     supers: list[tuple[str, int]] = []
+    passing: list[tuple[str, int | str, int]] = []
     for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in INERT_CALLS:
+            for index, arg in enumerate(node.args):
+                if isinstance(arg, ast.Name) and aliases.get(arg.id) == () and not isinstance(arg, ast.Starred):
+                    passing.append((node.func.id, index, node.lineno))
+            for keyword in node.keywords:
+                value = keyword.value
+                if keyword.arg and isinstance(value, ast.Name) and aliases.get(value.id) == ():
+                    passing.append((node.func.id, keyword.arg, node.lineno))
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -235,7 +261,7 @@ def _collect_uses(fn: ast.AST, self_name: str | None) -> tuple[list[_Use], list[
             ):
                 how = "arg"
         uses.append(_Use(steps, how, getattr(node, "lineno", 0)))
-    return uses, supers
+    return uses, supers, passing
 
 
 def _extends_chain(parent: ast.AST | None, node: ast.AST, chain: Any) -> bool:
@@ -263,6 +289,12 @@ class _Resolved:
     attr: str = ""  # for params: attribute name; for methods: method name
 
 
+@functools.lru_cache(maxsize=65536)
+def _class_attr(cls: type, name: str) -> Any:
+    """A class attribute without running descriptors (cached: the same classes repeat in every layer)."""
+    return inspect.getattr_static(cls, name, None)
+
+
 def _children(module: nn.Module) -> list[nn.Module]:
     return [m for m in module._modules.values() if m is not None]
 
@@ -287,7 +319,7 @@ def resolve(obj: Any, steps: tuple[Step, ...], owner: nn.Module | None = None, a
         elif step in obj._buffers:
             return []
         else:
-            static = inspect.getattr_static(obj, step, None)
+            static = _class_attr(type(obj), step)
             if isinstance(static, (types.FunctionType, staticmethod, classmethod)) or (
                 step in obj.__dict__ and isinstance(obj.__dict__[step], types.MethodType)
             ):
@@ -339,6 +371,9 @@ def _forward_function(module: nn.Module) -> Any:
         if isinstance(instance_forward, types.MethodType) and instance_forward.__self__ is module:
             return instance_forward.__func__
         raise _Opaque(f"instance-level forward {instance_forward!r} on {type(module).__name__}")
+    static = inspect.getattr_static(type(module), "forward", None)
+    if isinstance(static, functools.partialmethod):
+        raise _Opaque(f"{type(module).__name__}.forward is a functools.partialmethod")
     return type(module).forward
 
 
@@ -380,13 +415,32 @@ class _Analyzer:
             return
         self.events.setdefault(key, event)
 
-    def _function(self, func: Any, self_obj: nn.Module, reader: str, visited: set[Any]) -> None:
+    def _function(
+        self, func: Any, self_obj: nn.Module, reader: str, visited: set[Any], self_param: int | str = 0
+    ) -> None:
+        if isinstance(func, staticmethod):
+            return  # reached as self.helper(...): it never receives the module (self-passing calls are followed)
         func = _source_function(func)
-        key = (func.__code__, id(self_obj))
+        key = (func.__code__, id(self_obj), self_param)
         if key in visited:
             return
         visited.add(key)
-        facts = function_facts(func)
+        facts = function_facts(func, self_param)
+        for callee_name, where, lineno in facts.self_passing:
+            callee = func.__globals__.get(callee_name, getattr(__builtins__, callee_name, None))
+            closure = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
+            if callee_name in closure:
+                try:
+                    callee = closure[callee_name].cell_contents
+                except ValueError:
+                    callee = None
+            if isinstance(callee, type) or (callee is not None and getattr(callee, "__module__", "") == "builtins"):
+                continue  # a class or builtin given the module (e.g. super-style helpers, id(), vars())
+            if not isinstance(inspect.unwrap(callee) if callable(callee) else callee, types.FunctionType):
+                raise _Opaque(
+                    f"{facts.qualname} passes the module to {callee_name}() at line {lineno}, which cannot be read"
+                )
+            self._function(callee, self_obj, reader, visited, where)
         called_before: list[tuple[int, str]] = []
         deferred: list[tuple[_Use, _Resolved]] = []
         for use in facts.uses:

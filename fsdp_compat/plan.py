@@ -256,7 +256,8 @@ def _forbidden(tree: ModuleTree, events: Iterable[RawRead]) -> dict[str, list[Ra
     forbidden: dict[str, list[RawRead]] = {}
     for event in events:
         if event.kind == "opaque":
-            nodes = [p for p in tree.modules if p != event.reader and tree.is_ancestor_or_self(event.reader, p)]
+            reader = tree.modules[event.reader]
+            nodes = [p for p, _ in reader.named_modules(prefix=event.reader) if p != event.reader]
         else:
             top = tree.lca(event.reader, event.owner)
             nodes = tree.path_between(event.owner, top, include_low=event.kind == "raw-read")
@@ -493,6 +494,8 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
         analysis = find_raw_reads(model, tree)
         evidence = tuple(e for e in analysis.events if e.kind != "call" or _skips_levels(tree, e))
         for path, why in sorted(analysis.opaque.items()):
+            if not any(c != path and tree.is_ancestor_or_self(path, c) for c in candidates):
+                continue  # nothing below it could have had a group: the unreadable code changes nothing
             warnings.append(
                 f"cannot read the source of {path or '<root>'} ({why}); assumed it may read any parameter "
                 "below it, so nothing below it gets a group of its own there"

@@ -169,6 +169,22 @@ def test_legacy_reproduces_the_glm4v_crash() -> None:
     assert GRID_SAMPLER_CRASH in (result.error or ""), result.error
 
 
+@pytest.mark.parametrize(
+    ("name", "crash"),
+    [
+        ("qwen2-fused-lmhead", "got mixed torch.Tensor and DTensor"),  # raw read in the root forward
+        ("qwen2-zloss", "got mixed torch.Tensor and DTensor"),  # read after lm_head's own forward
+        ("t5-shared", "is shared with a parameter already managed by another FSDP"),  # sharers split
+    ],
+)
+def test_legacy_crashes_where_auto_trains(name: str, crash: str) -> None:
+    result = run_training(
+        name, "fsdp_compat.testing.wraps:core_legacy", steps=1, timeout_s=240, device=DEVICE, world_size=WORLD_SIZE
+    )
+    assert not result.ok
+    assert crash in (result.error or ""), result.error
+
+
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
     result = run_training(

@@ -186,6 +186,15 @@ def test_mixed_precision_and_cpu_offload_pass_through_apply_fsdp2() -> None:
     assert run.max_rel_param_diff < 1e-2
 
 
+def test_checkpoint_runner_rejects_bad_phases_before_spawning(tmp_path: Path) -> None:
+    with pytest.raises(FsdpCompatError, match="unknown wrap policy 'no-such-policy'"):
+        run_phases("qwen2", [Phase("bad", "no-such-policy")], tmp_path)
+    with pytest.raises(FsdpCompatError, match="unknown zoo model 'no-such-model'"):
+        run_phases("qwen2", [Phase("bad", "auto", model="no-such-model")], tmp_path)
+    with pytest.raises(FsdpCompatError, match="phase 'b' loads 'a_s1', which no earlier phase saves"):
+        run_phases("qwen2", [Phase("a", "auto", steps=1), Phase("b", "auto", load="a_s1")], tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Bad input (single process: plans only)
 
@@ -339,6 +348,11 @@ class Decorated(Reader):
     forward = _plain_wrapper(_fwd)
 
 
+class Helper(Reader):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _fwd(self, x)  # the raw read happens in a module-level helper that gets ``self``
+
+
 class Outer(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -373,8 +387,13 @@ OPAQUE = {
 def test_unreadable_forward_warns_and_plans_conservatively(case: str) -> None:
     model = Outer(OPAQUE[case]())
     plan = plan_wrap(model, ["Block"])
-    assert any(w.startswith("cannot read the source of gen (") for w in plan.warnings), plan.warnings
-    assert "warning: cannot read the source of gen" in str(plan)
+    if case == "torch.jit.script":
+        # Nothing below the scripted Block could own a group, so the unreadable code changes nothing: no warning
+        # (warnings are kept for opaque code that costs sharding, else every transformers attention would warn).
+        assert plan.warnings == ()
+    else:
+        assert any(w.startswith("cannot read the source of gen (") for w in plan.warnings), plan.warnings
+        assert "warning: cannot read the source of gen" in str(plan)
     assert not any(p.startswith("gen.") for key in plan.group_paths() for p in key)
     assert plan.group_paths() == [("embed",), ("layers.0",), ("layers.1",)]
     assert unsafe_reads(model, plan) == []
@@ -394,17 +413,15 @@ def test_unreadable_root_forward_gives_no_groups() -> None:
     assert plan.group_paths() == [] and any("<root>" in w for w in plan.warnings)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: analysis reads the wrapper's code (functools' partialmethod _method, or a decorator without "
-    "functools.wraps), finds no reads and gives gen.table a group; FSDP2 then raises 'aten.add.Tensor got mixed "
-    "torch.Tensor and DTensor' (reproduced on 2 gloo ranks)",
+@pytest.mark.parametrize(
+    "cls", [PartialMethod, Decorated, Helper], ids=["partialmethod", "decorator-without-wraps", "helper-function"]
 )
-@pytest.mark.parametrize("cls", [PartialMethod, Decorated], ids=["partialmethod", "decorator-without-wraps"])
 def test_wrapped_forward_is_analysed_or_opaque(cls: type[nn.Module]) -> None:
+    """The code that reads gen.table.weight is followed (a helper called with self) or the module is opaque."""
     model = Outer(cls())
     plan = plan_wrap(model, ["Block"])
     assert ("gen.table",) not in plan.group_paths()
+    assert unsafe_reads(model, plan) == []
 
 
 # ------------------------------------------------------------------------------------------------------------

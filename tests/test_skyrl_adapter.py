@@ -315,3 +315,18 @@ def test_module_api() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert isinstance(skyrl_adapter.ADAPTER.describe(), list)
+
+
+def test_plan_is_the_same_on_the_meta_device() -> None:
+    """skyrl 0.3.0+ move the model to the meta device right before apply_fsdp2: the plan must not change."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from fsdp_compat.plan import plan_wrap
+    from fsdp_compat.testing.zoo import build_model
+
+    model = build_model("glm4v")
+    meta = copy.deepcopy(model).to("meta")
+    real_plan, meta_plan = plan_wrap(model, None), plan_wrap(meta, None)
+    assert real_plan.group_paths() == meta_plan.group_paths()
+    assert ("model.visual.embeddings.position_embedding",) not in real_plan.group_paths()

@@ -97,6 +97,8 @@ def _assert_parity(result: RunResult, activated_by: str) -> list[dict[str, Any]]
         assert state["patched"], state
         assert state["activated_by"] == activated_by, state
         assert state["call_site"] == call_site(VERL), state
+        if not _since(">=0.7.1"):  # apply_fsdp2 itself is replaced: the call site must hold the replacement
+            assert state["apply_fsdp2_patched"], state
     print(
         f"verl {VERL} {activated_by}: Δgrad={result.max_rel_grad_diff} Δparam={result.max_rel_param_diff} "
         f"groups={result.ranks[0].extra['fsdp_groups']} {result.seconds:.1f}s"
@@ -257,6 +259,7 @@ def test_patch_rebinds_every_importer_and_unpatch_restores_exact_originals() -> 
         }))
         """
     )
+    print(f"verl {VERL}: {out}")
     expected = "_select_fsdp2_wrap_targets" if _since(">=0.7.1") else "apply_fsdp2"
     assert out["name"] == expected
     if expected == "apply_fsdp2":

@@ -76,6 +76,7 @@ def run_phases(
     re-wrap error). Full state dicts are written by rank 0 as ``<workdir>/<tag>_s<step>_full.pt`` (at a save)
     and ``<workdir>/<tag>_loaded_full.pt`` (right after a load); read them with :func:`load_full`.
     """
+    _validate(model, phases, Path(workdir))
     start = time.monotonic()
     deadline = start + timeout_s
     cfg = {
@@ -126,6 +127,24 @@ def run_phases(
                 _kill_group(p)
         ranks = [_collect(work, rank, p, killed.get(rank)) for rank, p in enumerate(procs)]
     return RunResult(ranks=ranks, seconds=time.monotonic() - start)
+
+
+def _validate(model: str, phases: list[Phase], workdir: Path) -> None:
+    """Reject unknown policies, models and loads here, before paying for W interpreters."""
+    from fsdp_compat.errors import FsdpCompatError
+    from fsdp_compat.policies import resolve_policy
+    from fsdp_compat.testing.zoo import _check_name
+
+    saved: set[str] = set()
+    for phase in phases:
+        resolve_policy(phase.policy)
+        _check_name(phase.model or model)
+        if phase.load and phase.load not in saved and not (workdir / f"{phase.load}.json").is_file():
+            raise FsdpCompatError(
+                f"phase {phase.tag!r} loads {phase.load!r}, which no earlier phase saves and {workdir} does not "
+                "hold; save it first (save_at) or fix the name (<tag>_s<step>)"
+            )
+        saved.update(f"{phase.tag}_s{step}" for step in phase.save_at)
 
 
 def load_full(workdir: str | os.PathLike[str], name: str) -> dict[str, Any]:
