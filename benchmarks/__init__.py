@@ -50,18 +50,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, rig
 
 
 def fsdp2_unsharded_estimate(plan: Any) -> int:
-    """Bytes a rank holds unsharded at the forward peak, modelled on what FSDP2 2.13 does (CPU, sync all-gather).
-
-    Not the package's formula (``WrapPlan.per_rank_bytes``); shown next to it and to the measurement because it
-    matches the measurement on every zoo model and policy. Terms: the root (unsharded for the whole forward) and
-    groups with ``reshard_after_forward=False``; multi-module groups (``fully_shard([a, b])``, e.g. tied
-    embed_tokens + lm_head), which were measured staying unsharded from the first member's forward to the last's;
-    and the transient: a group's flat all-gather buffer lives until the *next* group's copy-out, so the largest
-    single-module group is held twice (buffer + parameters), and the root's buffer is still alive while the first
-    group all-gathers (``max(root, largest)``).
-    """
-    no_reshard = sum(g.num_bytes for g in plan.groups if g.overrides.get("reshard_after_forward") is False)
-    rest = [g for g in plan.groups if g.overrides.get("reshard_after_forward") is not False]
-    spanning = sum(g.num_bytes for g in rest if len(g.modules) > 1)
-    largest = max((g.num_bytes for g in rest if len(g.modules) == 1), default=0)
-    return plan.root_bytes + no_reshard + spanning + max(plan.root_bytes, largest) + largest
+    """Bytes a rank holds unsharded at the forward peak: the package's model (``WrapPlan.per_rank_bytes``), which
+    matches FSDP2's measured storage on every zoo model and policy."""
+    sizes = plan.per_rank_bytes(2)
+    return sizes["peak_forward"] - sizes["resident"]

@@ -12,11 +12,13 @@ Peak unsharded parameter bytes are measured from FSDP2 itself: in the rank, ``FS
 ``wait_for_unshard`` and ``reshard`` (torch 2.13: ``torch.distributed.fsdp._fully_shard._fsdp_param_group``) are
 wrapped; after each call the rank sums, over every ``FSDPParam`` of the model, the bytes of storage actually
 allocated for its unsharded data (``FSDPParam.all_gather_outputs``, freed to 0 bytes by FSDP2 on reshard), and
-keeps the maximum seen during the forward. "+buffers" adds the flat all-gather buffers alive at that moment
-(``FSDPParamGroup._all_gather_result`` and the one FSDP2 keeps in ``comm_ctx.all_gather_state`` until the next
-copy-out). All-gathers per forward count calls of ``foreach_all_gather``. Resident bytes are the sum of the
-padded local shards (``FSDPParam._sharded_param_data``). The memory step is an extra, untimed step; the timed
-steps run with the wrappers switched off.
+keeps the maximum seen during the forward ("unsharded params"). "unsharded + AG buffers" also counts the flat
+all-gather buffers alive at that moment (``FSDPParamGroup._all_gather_result`` and the one FSDP2 keeps in
+``comm_ctx.all_gather_state`` until the next group's copy-out); "peak/rank (measured)" = resident + that, where
+resident is the sum of the padded local shards (``FSDPParam._sharded_param_data``), which FSDP2 keeps while the
+unsharded copy exists. All-gathers per forward count calls of ``foreach_all_gather``. The memory step is an extra,
+untimed step; the timed steps run with the wrappers switched off. Targets are judged on the measured peak and
+the median step time; policies that produced the very same plan give the machine's noise floor.
 """
 
 from __future__ import annotations
@@ -201,15 +203,13 @@ def _run_rank(cfg: dict[str, Any], rank: int, report: dict[str, Any], save: Any)
             entry.update(outcome="crash", error=_first_line(exc), phase="wrap")
             continue
         groups = _param_groups(model)
-        no_reshard = sum(g.num_bytes for g in plan.groups if g.overrides.get("reshard_after_forward") is False)
-        others = [g.num_bytes for g in plan.groups if g.overrides.get("reshard_after_forward") is not False]
         entry.update(
             groups=len(plan.groups) + (1 if plan.root_bytes else 0),
             plan_key=[[list(g.paths), sorted(g.overrides.items())] for g in plan.groups],
             fsdp_param_groups=len(groups),
             total_bytes=plan.total_bytes,
             root_bytes=plan.root_bytes,
-            plan_unsharded=plan.root_bytes + no_reshard + 2 * max(others, default=0),
+            plan_unsharded=plan.per_rank_bytes(world)["peak_forward"] - plan.per_rank_bytes(world)["resident"],
             model_unsharded=fsdp2_unsharded_estimate(plan),
             plan_peak=plan.per_rank_bytes(world)["peak_forward"],
             plan_resident=plan.per_rank_bytes(world)["resident"],
@@ -348,17 +348,19 @@ def run_model(
         "model": model,
         "seconds": time.monotonic() - start,
         "failure": failure,
-        "entries": _merge(policies, [r for r in reports if r]),
+        "entries": _merge(policies, [r for r in reports if r], failure),
     }
 
 
-def _merge(policies: tuple[str, ...], reports: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _merge(
+    policies: tuple[str, ...], reports: list[dict[str, Any]], failure: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Per policy: rank 0's figures, with times and peaks taken as the max over ranks (the slowest rank rules)."""
     merged: dict[str, dict[str, Any]] = {}
     for policy in policies:
         rows = [e for r in reports for e in r["entries"] if e["policy"] == policy]
         if not rows:
-            merged[policy] = {"policy": policy, "outcome": "not run", "error": "no rank reported this policy"}
+            merged[policy] = {"policy": policy, "outcome": "not run", "error": failure or "no rank reported it"}
             continue
         row = dict(rows[0])
         if any(r["outcome"] != "ok" for r in rows):
@@ -367,6 +369,8 @@ def _merge(policies: tuple[str, ...], reports: list[dict[str, Any]]) -> dict[str
         for key in ("step_s", "step_min_s", "peak", "peak_unsharded", "peak_unsharded_buffers"):
             values = [r[key] for r in rows if r.get(key) is not None]
             row[key] = max(values) if values and len(values) == len(rows) else None
+        if row["outcome"] == "ok" and row.get("step_s") is None:
+            row.update(outcome="incomplete", error=failure or "a rank stopped before the timed steps ended")
         merged[policy] = row
     return merged
 
@@ -446,7 +450,13 @@ def format_results(results: list[dict[str, Any]], *, world_size: int) -> str:
         for policy, e in res["entries"].items():
             ok = e["outcome"] == "ok"
             predicted = "crash" if e.get("predicted") else ("ok" if "predicted" in e else "-")
-            outcome = "ok" if ok else f"CRASH ({e.get('phase', '?')}): {(e.get('error') or '')[:64]}…"
+            error = (e.get("error") or "")[:64]
+            if ok:
+                outcome = "ok"
+            elif e["outcome"] == "crash":
+                outcome = f"CRASH ({e.get('phase', '?')}): {error}…"
+            else:
+                outcome = f"{e['outcome'].upper()}: {error}"
             rows.append(
                 [
                     res["model"],
@@ -486,7 +496,8 @@ def format_results(results: list[dict[str, Any]], *, world_size: int) -> str:
         e, s = res["entries"], summaries[res["model"]]
         auto, inp, leg = e.get("auto", {}), e.get("input-only", {}), e.get("legacy", {})
         if not s["auto_ok"]:
-            rows2.append([res["model"], "auto crashed", "-", "-", "-", "-", "-", "NO", "NO", "-", "-"])
+            status = res["entries"].get("auto", {}).get("outcome", "not run")
+            rows2.append([res["model"], f"auto: {status}", "-", "-", "-", "-", "-", "NO", "NO", "-", "-"])
             continue
         rows2.append(
             [
@@ -506,9 +517,9 @@ def format_results(results: list[dict[str, Any]], *, world_size: int) -> str:
     ratios = format_table(header2, rows2, right=(1, 2, 3, 4, 5, 6, 9, 10))
     legend = (
         "unsharded params / + AG buffers: measured peak during the forward (FSDP2 storage, see the module doc); "
-        "FSDP2 model: benchmarks.fsdp2_unsharded_estimate(plan); plan (package): root + no-reshard + 2 x largest "
-        "group, the unsharded part of WrapPlan.per_rank_bytes; peak/rank (measured) = resident + unsharded + AG "
-        "buffers; peak/rank (package) = WrapPlan.per_rank_bytes(W)['peak_forward'], which adds unsharded x (1-1/W)"
+        "FSDP2 model / plan (package): the unsharded part of WrapPlan.per_rank_bytes (root + no-reshard + "
+        "multi-module groups + max(root, largest) + largest group); peak/rank (measured) = resident + unsharded + AG "
+        "buffers; peak/rank (package) = WrapPlan.per_rank_bytes(W)['peak_forward']"
     )
     return (
         f"Policies on {world_size} gloo ranks (bytes per rank; fp32; ratios from the same run)\n{legend}\n\n"
