@@ -149,13 +149,54 @@ def _output_heads(model: Any) -> Iterator[Any]:
             yield module
 
 
+_BY_NAME = frozenset({"embed_tokens", "lm_head"})
+
+
+def _by_name_wrappers(model: Any, targets: list[Any]) -> list[Any]:
+    """verl's by-name rule where it is safe: a wrapper named ``embed_tokens``/``lm_head`` with a ``weight`` (peft's
+    ``ModulesToSaveWrapper``, which is no ``nn.Embedding``) gets its own group when the model is untied, nothing
+    above or below it is already a group, and static analysis finds no read of its parameters from outside it."""
+    from torch import nn
+
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return []
+    chosen = {id(m) for m in targets}
+    paths = {id(m): p for p, m in model.named_modules()}
+    chosen_paths = [paths[i] for i in chosen if i in paths]
+    wrappers = [
+        (path, module)
+        for path, module in model.named_modules()
+        if path.rsplit(".", 1)[-1] in _BY_NAME
+        and hasattr(module, "weight")
+        and not isinstance(module, (nn.Embedding, nn.Linear))
+        and not any(c == path or c.startswith(path + ".") or path.startswith(c + ".") for c in chosen_paths)
+    ]
+    if not wrappers:
+        return []
+    from fsdp_compat.analysis import find_raw_reads
+
+    events = find_raw_reads(model).events
+
+    def inside(path: str, other: str) -> bool:
+        return other == path or other.startswith(path + ".")
+
+    def unsafe(path: str, e: Any) -> bool:
+        if e.kind == "opaque":  # unreadable code above it may read anything below
+            return e.reader == "" or inside(e.reader, path)
+        if e.kind == "call" and e.owner == path:  # its own forward called: its hooks unshard it
+            return False
+        return inside(path, e.owner) and not inside(path, e.reader)
+
+    return [module for path, module in wrappers if not any(unsafe(path, e) for e in events)]
+
+
 def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
     """verl >= 0.7.1 ``_select_fsdp2_wrap_targets(model, cls_names, **kw)``: fsdp-compat's flat bottom-up list.
 
     Extra keywords (an unmerged upstream change adds ``use_fused_kernels``) are accepted. Under ``auto`` an
-    untied ``lm_head`` whose weight the fused kernels read raw never gets its own group; peft's
-    ``ModulesToSaveWrapper`` (which verl matched by the leaf names ``embed_tokens``/``lm_head``) is covered by
-    the embeddings inside it, which the planner shards where it is safe. ``legacy`` reproduces verl's rule.
+    untied ``lm_head`` whose weight the fused kernels read raw never gets its own group; verl's by-name rule
+    for peft's ``ModulesToSaveWrapper`` is kept where it is safe (:func:`_by_name_wrappers`; a wrapped
+    ``embed_tokens`` is already covered by the embeddings inside it). ``legacy`` reproduces verl's rule.
     """
 
     @functools.wraps(original)
@@ -166,7 +207,10 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
         from fsdp_compat.policies import resolve_policy
 
         targets = select_wrap_targets(model, _layer_names(fsdp_transformer_layer_cls_to_wrap), policy=policy)
-        if resolve_policy(policy).analyzed and _reads_lm_head_raw(model, kwargs.get("use_fused_kernels", False)):
+        if not resolve_policy(policy).analyzed:  # legacy & co reproduce an upstream rule as it is
+            return targets
+        targets += _by_name_wrappers(model, targets)  # no group above or below them: order stays bottom-up
+        if _reads_lm_head_raw(model, kwargs.get("use_fused_kernels", False)):
             heads = {id(m) for m in _output_heads(model)}
             targets = [m for m in targets if id(m) not in heads]
         return targets

@@ -333,3 +333,36 @@ def test_selector_semantics() -> None:
     assert not any("position_embedding" in n for n in out["glm4v"]["auto"]), out["glm4v"]
     assert "lm_head" in out["qwen2"]["auto"], "an lm_head used only through its forward stays sharded"
     assert out["qwen2"]["auto"] == out["qwen2"]["verl"], "text models see no change"
+
+
+@_needs(">=0.7.1", "the _select_fsdp2_wrap_targets selector")
+def test_selector_keeps_by_name_peft_wrappers_where_safe() -> None:
+    """peft's ModulesToSaveWrapper is no nn.Embedding: verl matches it by leaf name. The replacement keeps the
+    lm_head wrapper as a group (only its own forward reads it), drops it when fused kernels read it raw, and
+    returns children before parents (verl's own list puts the embed_tokens wrapper before its children)."""
+    pytest.importorskip("peft")
+    out = _python(
+        """
+        import json, warnings
+        warnings.simplefilter("ignore")
+        import verl.utils.fsdp_utils as utils
+        from peft import LoraConfig, get_peft_model
+        from fsdp_compat.adapters.verl import make_select_fsdp2_wrap_targets
+        from fsdp_compat.testing.zoo import build_model
+        model = get_peft_model(build_model("qwen2"), LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]))
+        paths = {id(m): p for p, m in model.named_modules()}
+        select = make_select_fsdp2_wrap_targets(utils._select_fsdp2_wrap_targets, "auto")
+        print(json.dumps({
+            "verl": [paths[id(m)] for m in utils._select_fsdp2_wrap_targets(model, ["Qwen2DecoderLayer"])],
+            "auto": [paths[id(m)] for m in select(model, ["Qwen2DecoderLayer"])],
+            "fused": [paths[id(m)] for m in select(model, ["Qwen2DecoderLayer"], use_fused_kernels=True)],
+        }))
+        """,
+        env={"FSDP_COMPAT": "off"},
+    )
+    head = "base_model.model.lm_head"
+    assert head in out["verl"] and head in out["auto"] and head not in out["fused"], out
+    for order in (out["auto"], out["fused"]):
+        for i, path in enumerate(order):
+            assert not any(later.startswith(path + ".") for later in order[i + 1 :]), ("parent first", order)

@@ -189,6 +189,20 @@ def probe() -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- the smoke
 
 
+def _automatic_path(version: Version) -> str | None:
+    """The zero-config loading path this environment has: verl's entry point (0.9+), else the .pth, else none."""
+    import site
+    from pathlib import Path
+
+    if version in SpecifierSet(">=0.9.0") and any(
+        ep.value == ADAPTER_MODULE for ep in metadata.entry_points(group="verl.plugins")
+    ):
+        return "entry point"
+    if any((Path(d) / "fsdp_compat.pth").exists() for d in [*site.getsitepackages(), site.getusersitepackages()]):
+        return "pth hook"
+    return None
+
+
 def _cases(version: Version) -> list[tuple[str, str, str, str, str, dict[str, str]]]:
     """(model, case, wrap fn, expected, crash text, env) for the installed release."""
     off = {"FSDP_COMPAT": "off"}
@@ -198,6 +212,10 @@ def _cases(version: Version) -> list[tuple[str, str, str, str, str, dict[str, st
         ("glm4v", "unpatched", f"{here}:wrap_verl", "crash", GRID_SAMPLER_CRASH, off),
         ("glm4v", "patched (external_lib)", f"{here}:wrap_external_lib", "ok", "", hooks_off),
     ]
+    automatic = _automatic_path(version)
+    if automatic is not None:  # the zero-config path alone: the other automatic path is switched off
+        only = {"FSDP_COMPAT_AUTOLOAD": "0"} if automatic == "entry point" else {"VERL_USE_EXTERNAL_PLUGINS": "none"}
+        cases.append(("glm4v", f"patched ({automatic})", f"{here}:wrap_verl", "ok", "", only))
     if LM_HEAD_GROUP.contains(version, prereleases=True):
         cases += [
             ("qwen2", "fused kernels, unpatched", f"{here}:wrap_fused", "crash", FUSED_CRASH, off),
