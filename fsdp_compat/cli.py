@@ -55,10 +55,15 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     from fsdp_compat.testing.harness import format_smoke_table
 
     frameworks = ["core", "verl", "skyrl"] if args.framework == "all" else [args.framework]
+    world_size = args.world_size
+    if world_size is None:  # one NCCL rank per GPU (NCCL refuses two ranks on one GPU); 2 gloo ranks on CPU
+        import torch
+
+        world_size = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
     rows = []
     for framework in frameworks:
         module = importlib.import_module(f"fsdp_compat.testing.{framework}_smoke")
-        rows.extend(module.run(world_size=args.world_size, steps=args.steps, device=args.device))
+        rows.extend(module.run(world_size=world_size, steps=args.steps, device=args.device))
     print(format_smoke_table(rows))
     failed = [row for row in rows if not row.passed]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     smoke = sub.add_parser("smoke", help="GLM4V FSDP2: the legacy crash, then the fix with exact parity")
     smoke.add_argument("--framework", default="core", choices=["core", "verl", "skyrl", "all"])
-    smoke.add_argument("--world-size", type=int, default=2)
+    smoke.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu, one rank per GPU on cuda")
     smoke.add_argument("--steps", type=int, default=3)
     smoke.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     smoke.set_defaults(func=_cmd_smoke)

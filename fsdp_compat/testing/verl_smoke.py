@@ -144,15 +144,16 @@ def enable_verl_fused_kernels(model: Any) -> None:
 def _glm4v_position_ids(model: Any, batch: dict[str, Any]) -> Any:
     """verl's GLM4V forward takes (4, B, L) position ids: text positions, then the 3 mrope rows (as verl's
     datasets build them)."""
+    import inspect
+
     import torch
 
     input_ids = batch["input_ids"]
-    vision, _ = model.model.get_rope_index(
-        input_ids,
-        batch.get("mm_token_type_ids"),
-        image_grid_thw=batch.get("image_grid_thw"),
-        attention_mask=batch.get("attention_mask"),
-    )
+    get_rope_index = model.model.get_rope_index
+    kwargs = {"image_grid_thw": batch.get("image_grid_thw"), "attention_mask": batch.get("attention_mask")}
+    if "mm_token_type_ids" in inspect.signature(get_rope_index).parameters:  # transformers 5
+        kwargs["mm_token_type_ids"] = batch.get("mm_token_type_ids")
+    vision, _ = get_rope_index(input_ids, **kwargs)
     text = torch.arange(input_ids.shape[-1], device=input_ids.device).expand(1, *input_ids.shape)
     return torch.cat([text, vision], dim=0)
 

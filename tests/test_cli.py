@@ -1,0 +1,64 @@
+"""The ``fsdp-compat`` command line: plan explains, compares and predicts; errors exit 2 with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fsdp_compat.cli import main
+
+
+def test_plan_glm4v_explains_the_position_table_and_predicts_the_legacy_crash(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "glm4v", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert "model.visual.embeddings.position_embedding (2,048 params, now in <root>)" in out
+    assert "read raw by model.visual.embeddings (modeling_glm4v.py:" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and len(line.split()) > 5}
+    assert "crash: model.visual.embeddings.position_embedding.weight read raw" in rows["legacy"]
+    assert rows["auto"].rstrip().endswith("ok")
+    assert rows["input-only"].rstrip().endswith("ok")
+
+
+def test_plan_from_a_config_folder_on_meta(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+    ).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert main(["plan", str(tmp_path), "--policy", "legacy", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "WrapPlan for Qwen2ForCausalLM (policy legacy" in out
+    assert "model.layers.1" in out and "lm_head" in out
+
+
+def test_bad_input_exits_2_with_the_fix(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "glm4v", "--policy", "nope"]) == 2
+    assert "unknown wrap policy 'nope'; use one of auto, legacy" in capsys.readouterr().err
+    assert main(["plan", "no-such-model"]) == 2
+    assert "is not a zoo model" in capsys.readouterr().err
+    assert main(["plan", "qwen2", "--layer-classes", "NoSuchLayer"]) == 2
+    assert "Its module classes are:" in capsys.readouterr().err
+
+
+def test_doctor_runs(capsys: pytest.CaptureFixture) -> None:
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "verl" in out and "skyrl" in out
+
+
+@pytest.mark.skipif(
+    shutil.which("fsdp-compat") is None and "TOX_ENV_NAME" not in os.environ,
+    reason="console script not installed here (tox installs it; there this test always runs)",
+)
+def test_console_script_is_installed() -> None:
+    done = subprocess.run(["fsdp-compat", "plan", "full:qwen2-7b"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "WrapPlan for Qwen2ForCausalLM" in done.stdout
