@@ -247,7 +247,17 @@ class Adapter:
         with self._lock:
             lines = []
             for rec in self._applied:
-                for module in rec.bound:
+                holders = list(rec.bound)
+                # An importer that was mid-import when the patch happened bound the replacement by itself.
+                for name in rec.replacement.importers:
+                    module = sys.modules.get(name)
+                    if (
+                        module is not None
+                        and not rec.holds(module)
+                        and vars(module).get(rec.replacement.name, _MISSING) is rec.new
+                    ):
+                        holders.append(module)
+                for module in holders:
                     lines.append(
                         f"{module.__name__}.{rec.replacement.name} -> fsdp_compat (policy {self.policy_name})"
                     )

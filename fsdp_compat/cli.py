@@ -62,12 +62,28 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
         world_size = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
     rows = []
     for framework in frameworks:
+        if args.framework == "all" and framework != "core" and not _installed(framework):
+            print(f"{framework}: not installed in this environment, not run")
+            continue
         module = importlib.import_module(f"fsdp_compat.testing.{framework}_smoke")
         rows.extend(module.run(world_size=world_size, steps=args.steps, device=args.device))
     print(format_smoke_table(rows))
     failed = [row for row in rows if not row.passed]
     print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed or not rows else 0
+
+
+def _installed(framework: str) -> bool:
+    from importlib import metadata
+
+    names = {"verl": ("verl",), "skyrl": ("skyrl", "skyrl-train")}[framework]
+    for name in names:
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return True
+    return False
 
 
 def _cmd_doctor(_args: argparse.Namespace) -> int:

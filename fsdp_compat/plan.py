@@ -197,8 +197,10 @@ def _layer_candidates(tree: ModuleTree, names: tuple[str, ...]) -> dict[str, tup
     }
 
 
-def _select(tree: ModuleTree, names: tuple[str, ...], policy: Policy) -> dict[str, tuple[str, str]]:
-    """Candidates (path -> (kind, reason)) under ``policy``."""
+def _select(
+    tree: ModuleTree, names: tuple[str, ...], policy: Policy, warnings: list[str]
+) -> dict[str, tuple[str, str]]:
+    """Candidates (path -> (kind, reason)) under ``policy``; notes what it could not do in ``warnings``."""
     model = tree.model
     chosen = _layer_candidates(tree, names)
     untied = not _tied(model)
@@ -216,6 +218,11 @@ def _select(tree: ModuleTree, names: tuple[str, ...], policy: Policy) -> dict[st
         embedding = _getter(model, "get_input_embeddings")
         if untied and embedding is not None and id(embedding) in tree.path_of:
             chosen.setdefault(tree.path_of[id(embedding)], ("embedding", "input embedding, untied"))
+        elif untied and embedding is None:
+            warnings.append(
+                f"{type(model).__name__}.get_input_embeddings() is missing or failed: input-only shards the layers "
+                "only (policy auto finds the embeddings by type)"
+            )
     elif isinstance(policy, Auto):
         for path, m in tree.modules.items():
             if path and path not in chosen and isinstance(m, nn.Embedding):
@@ -493,9 +500,9 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
     chosen_policy = resolve_policy(policy)
     names = resolve_layer_classes(model, layer_classes)
     tree = ModuleTree.build(model)
-    candidates = _select(tree, names, chosen_policy)
     evidence: tuple[RawRead, ...] = ()
     warnings: list[str] = []
+    candidates = _select(tree, names, chosen_policy, warnings)
     if isinstance(chosen_policy, Auto):
         analysis = find_raw_reads(model, tree)
         evidence = tuple(e for e in analysis.events if e.kind != "call" or _skips_levels(tree, e))

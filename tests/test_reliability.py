@@ -281,6 +281,7 @@ def test_no_get_input_embeddings() -> None:
     for model in (Toy(), _RaisingGetter()):
         plan = plan_wrap(model, ["Block"], policy="input-only")
         assert plan.group_paths() == [("layers.0",), ("layers.1",)]
+        assert any("get_input_embeddings() is missing or failed" in w for w in plan.warnings), plan.warnings
         assert ("embed",) in plan_wrap(model, ["Block"]).group_paths()
 
 
