@@ -176,23 +176,28 @@ def _run_rank(cfg: dict[str, Any], rank: int, report: dict[str, Any], save: Any)
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     world = cfg["world_size"]
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = cfg.get("device", "cpu")
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
-        "gloo",
+        "nccl" if cuda else "gloo",
         init_method=f"tcp://127.0.0.1:{cfg['port']}",
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=cfg["timeout_s"]),
     )
     _install_instrumentation()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     name = cfg["model"]
-    batch = make_batch(name, seed=0)
+    batch = make_batch(name, seed=0, device=device)
     live: list[dict[str, Any]] = []
     for policy in cfg["policies"]:
         entry: dict[str, Any] = {"policy": policy, "outcome": "ok", "error": None, "times": []}
         report["entries"].append(entry)
-        model = build_model(name, seed=0)
+        model = build_model(name, seed=0, device=device)
         try:
             plan = plan_wrap(model, policy=policy)
             entry["predicted"] = unsafe_reads(model, plan)
@@ -222,6 +227,10 @@ def _run_rank(cfg: dict[str, Any], rank: int, report: dict[str, Any], save: Any)
 
     def step(item: dict[str, Any], measure: bool) -> float:
         model, opt = item["model"], item["opt"]
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         if measure:
             TRACKER.start(item["groups"])
@@ -230,6 +239,10 @@ def _run_rank(cfg: dict[str, Any], rank: int, report: dict[str, Any], save: Any)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            if measure:  # CUDA peak of this policy's step above what was allocated before it (all policies' models)
+                item["entry"]["cuda_peak_step"] = torch.cuda.max_memory_allocated() - before
         return time.perf_counter() - t
 
     # Warm-up (a crash shows here), then the untimed memory step, then the timed steps, round-robin.
@@ -286,9 +299,11 @@ def run_model(
     warmup: int = 1,
     steps: int = 5,
     timeout_s: float = 240.0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One pair of ranks for ``model``: every policy wrapped side by side; returns the merged per-policy figures."""
     cfg = {
+        "device": device,
         "model": model,
         "policies": list(policies),
         "world_size": world_size,
@@ -366,7 +381,7 @@ def _merge(
         if any(r["outcome"] != "ok" for r in rows):
             bad = next(r for r in rows if r["outcome"] != "ok")
             row.update(outcome=bad["outcome"], error=bad["error"], phase=bad.get("phase"))
-        for key in ("step_s", "step_min_s", "peak", "peak_unsharded", "peak_unsharded_buffers"):
+        for key in ("step_s", "step_min_s", "peak", "peak_unsharded", "peak_unsharded_buffers", "cuda_peak_step"):
             values = [r[key] for r in rows if r.get(key) is not None]
             row[key] = max(values) if values and len(values) == len(rows) else None
         if row["outcome"] == "ok" and row.get("step_s") is None:
@@ -535,11 +550,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICY_ORDER))
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=21, help="timed steps per policy (median reported)")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu, one rank per GPU on cuda")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one rank per GPU")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per model (both ranks killed after)")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     args = parser.parse_args(argv)
     from fsdp_compat.testing.zoo import ZOO
+
+    if args.world_size is None:
+        import torch
+
+        args.world_size = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
 
     models = args.models.split(",") if args.models else list(ZOO)
     policies = tuple(args.policies.split(","))
@@ -547,7 +568,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for model in models:
         res = run_model(
-            model, policies, world_size=args.world_size, warmup=args.warmup, steps=args.steps, timeout_s=args.timeout
+            model,
+            policies,
+            world_size=args.world_size,
+            warmup=args.warmup,
+            steps=args.steps,
+            timeout_s=args.timeout,
+            device=args.device,
         )
         print(
             f"[policies] {model}: {res['seconds']:.1f}s{'; ' + res['failure'] if res['failure'] else ''}",
@@ -556,6 +583,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         results.append(res)
     print(format_results(results, world_size=args.world_size))
+    if args.device == "cuda":
+        print(
+            "\nCUDA peak per policy (torch.cuda.max_memory_allocated during the memory step, above the bytes "
+            "allocated before it; the other policies' models are resident too and cancel out of the difference)\n"
+        )
+        rows = [
+            [res["model"], policy, fmt_bytes(entry["cuda_peak_step"])]
+            for res in results
+            for policy, entry in res["entries"].items()
+            if entry.get("cuda_peak_step") is not None
+        ]
+        print(format_table(["model", "policy", "CUDA peak of one step"], rows, right=(2,)))
     print(
         f"\n(policies: {time.monotonic() - t0:.0f}s wall; {args.warmup} warm-up + 1 memory + {args.steps} timed "
         "steps per policy, round-robin)"
