@@ -256,6 +256,15 @@ def _qwen2() -> nn.Module:
     return Qwen2ForCausalLM(_qwen2_config())
 
 
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
+    """Causal-LM cross entropy (shifted by one, -100 ignored), as transformers computes it."""
+    if labels is None:
+        return None
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+
+
 def _fused_lmhead_class() -> type[nn.Module]:
     """A Qwen2ForCausalLM whose root forward reads ``self.lm_head.weight`` raw, as verl's fused kernels do."""
     from transformers import Qwen2ForCausalLM
@@ -273,14 +282,7 @@ def _fused_lmhead_class() -> type[nn.Module]:
         ) -> CausalLMOutputWithPast:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
             logits = F.linear(hidden, self.lm_head.weight)
-            loss = None
-            if labels is not None:
-                loss = F.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                    labels[:, 1:].reshape(-1),
-                    ignore_index=-100,
-                )
-            return CausalLMOutputWithPast(loss=loss, logits=logits)
+            return CausalLMOutputWithPast(loss=_next_token_loss(logits, labels), logits=logits)
 
     Qwen2FusedLmHeadForCausalLM.__module__ = __name__
     Qwen2FusedLmHeadForCausalLM.__qualname__ = "Qwen2FusedLmHeadForCausalLM"
@@ -328,13 +330,8 @@ def _zloss_class() -> type[nn.Module]:
         ) -> CausalLMOutputWithPast:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
             logits = self.lm_head(hidden)
-            loss = None
-            if labels is not None:
-                loss = F.cross_entropy(
-                    logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                    labels[:, 1:].reshape(-1),
-                    ignore_index=-100,
-                )
+            loss = _next_token_loss(logits, labels)
+            if loss is not None:
                 loss = loss + 1e-3 * self.lm_head.weight.pow(2).mean()
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
