@@ -341,6 +341,8 @@ def _decide_auto(
             )
     _keep_sharers_together(tree, decisions, forbidden, allow_groups=policy.allow_shared_groups)
     _enforce_evidence(tree, decisions, events)
+    # Dropping a group never uncovers a read, but it can split sharers again: re-join them (only by dropping).
+    _keep_sharers_together(tree, decisions, forbidden, allow_groups=False)
     return decisions
 
 

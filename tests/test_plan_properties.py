@@ -138,7 +138,7 @@ def _check(model: torch.nn.Module, plan: fsdp_compat.WrapPlan) -> None:
     assert unsafe_reads(model, plan) == [], plan
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(root=trees(), data=st.data(), lift=st.sampled_from([0, 1 << 40]))
 def test_auto_plans_keep_their_invariants(tmp_path_factory: pytest.TempPathFactory, root: Node, data, lift) -> None:
     if root.kind != "block":
