@@ -24,11 +24,8 @@ the median step time; policies that produced the very same plan give the machine
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import POLICY_ORDER, fmt_bytes, fmt_ratio, format_table, fsdp2_unsharded_estimate
+from fsdp_compat.testing.harness import _free_port, _kill_group, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_TOLERANCE = 0.02  # the target: auto within 2 % of the fastest crash-free policy
@@ -279,18 +277,6 @@ def _run_rank(cfg: dict[str, Any], rank: int, report: dict[str, Any], save: Any)
 # Parent side
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def run_model(
     model: str,
     policies: tuple[str, ...],
@@ -323,19 +309,7 @@ def run_model(
         (work / "config.json").write_text(json.dumps(cfg))
         code = "from benchmarks.policies import _rank_main; _rank_main()"
         try:
-            for rank in range(world_size):
-                with open(work / f"rank{rank}.log", "wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, "-c", code, str(work), str(rank)],
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                            cwd=str(ROOT),
-                        )
-                    )
+            procs.extend(spawn_ranks(work, code, world_size, env, cwd=str(ROOT)))
             failed_at = None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
@@ -350,7 +324,7 @@ def run_model(
                 time.sleep(0.1)
         finally:
             for p in procs:
-                _kill(p)
+                _kill_group(p)
         reports = []
         for rank in range(world_size):
             path = work / f"rank{rank}.json"

@@ -17,24 +17,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdp_compat.testing.harness import (
     _FAIL_GRACE_S,
-    RankResult,
     RunResult,
     _child_env,
     _collect,
-    _exit_when_orphaned,
     _free_port,
-    _jsonable_dict,
     _kill_group,
+    rank_entry,
+    spawn_ranks,
 )
 
 __all__ = ["Phase", "auto_bf16_cpu_offload", "dtype_probe", "load_full", "run_phases"]
@@ -96,18 +93,7 @@ def run_phases(
         code = "from fsdp_compat.testing.checkpoints import _rank_main; _rank_main()"
         env = _child_env(None)
         try:
-            for rank in range(world_size):
-                with open(work / f"rank{rank}.log", "wb") as out:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, "-c", code, str(work), str(rank)],
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
+            procs.extend(spawn_ranks(work, code, world_size, env))
             first_failure: float | None = None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
@@ -160,23 +146,7 @@ def load_full(workdir: str | os.PathLike[str], name: str) -> dict[str, Any]:
 
 def _rank_main() -> None:
     """Entry point of one rank: ``python -c ... WORKDIR RANK``; writes ``rank<N>.json`` like the harness."""
-    work, rank = Path(sys.argv[1]), int(sys.argv[2])
-    _exit_when_orphaned()
-    cfg = json.loads((work / "config.json").read_text())
-    extra: dict[str, Any] = {}
-    try:
-        _run(cfg, rank, extra)
-        result = RankResult(rank=rank, ok=True, extra=extra)
-    except BaseException as exc:
-        extra["failed_at"] = time.time()
-        extra["exception"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        result = RankResult(rank=rank, ok=False, error=traceback.format_exc(), extra=_jsonable_dict(extra))
-    tmp = work / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(asdict(result), default=str))
-    tmp.replace(work / f"rank{rank}.json")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if result.ok else 1)  # peers may be stuck in a collective after a failure: no teardown
+    rank_entry(_run)
 
 
 def _run(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,34 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def spawn_ranks(
+    work: Path,
+    code: str,
+    world_size: int,
+    env: dict[str, str],
+    *,
+    python: str | None = None,
+    cwd: str | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``world_size`` fresh interpreters running ``code`` with argv ``WORK RANK``, each in its own session
+    (so a kill takes its children too), output in ``WORK/rank<N>.log``."""
+    procs: list[subprocess.Popen[bytes]] = []
+    for rank in range(world_size):
+        with open(work / f"rank{rank}.log", "wb") as out:  # Popen dups the descriptor
+            procs.append(
+                subprocess.Popen(
+                    [python or sys.executable, "-c", code, str(work), str(rank)],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    cwd=cwd,
+                )
+            )
+    return procs
+
+
 def _tail(path: Path, limit: int = 4000) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -233,21 +262,7 @@ def run_training(
         code = "from fsdp_compat.testing.harness import _rank_main; _rank_main()"
         killed_reason: dict[int, str] = {}
         try:
-            for rank in range(world_size):
-                out = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed right after Popen dups it
-                try:
-                    procs.append(
-                        subprocess.Popen(
-                            [python or sys.executable, "-c", code, str(work), str(rank)],
-                            env=child_env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
-                finally:
-                    out.close()
+            procs.extend(spawn_ranks(work, code, world_size, child_env, python=python))
             first_failure: float | None = None
             while True:
                 codes = [p.poll() for p in procs]
@@ -368,12 +383,20 @@ def _exit_when_orphaned() -> None:
 
 def _rank_main() -> None:
     """Entry point of one rank: ``python -c ... WORKDIR RANK``."""
+    rank_entry(_train)
+
+
+def rank_entry(body: Callable[[dict[str, Any], int, dict[str, Any]], RankResult | None]) -> None:
+    """Run ``body(cfg, rank, extra)`` in a rank started by :func:`spawn_ranks` and write ``rank<N>.json``.
+
+    A body that returns None succeeded; an exception becomes a failed RankResult carrying its traceback.
+    """
     work, rank = Path(sys.argv[1]), int(sys.argv[2])
     _exit_when_orphaned()
     cfg = json.loads((work / "config.json").read_text())
     extra: dict[str, Any] = {}
     try:
-        result = _train(cfg, rank, extra)
+        result = body(cfg, rank, extra) or RankResult(rank=rank, ok=True, extra=extra)
     except BaseException as exc:
         extra["failed_at"] = time.time()
         extra["exception"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
