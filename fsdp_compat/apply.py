@@ -21,9 +21,13 @@ def apply_fsdp2(
     """Shard ``model`` with FSDP2 following ``plan_wrap``; returns the plan that was applied.
 
     Every group gets ``fsdp_kwargs`` plus its own overrides (e.g. ``reshard_after_forward=False``). Groups are applied
-    children first, whatever the policy, because ``fully_shard(parent)`` before ``fully_shard(child)`` fails.
+    children first, whatever the policy, because ``fully_shard(parent)`` before ``fully_shard(child)`` fails. The
+    run-time guard (:mod:`fsdp_compat.guard`, ``FSDP_COMPAT_GUARD=off`` disables it) is installed on ``model``: a
+    read the plan did not foresee unshards its group instead of crashing.
     """
     from torch.distributed.fsdp import fully_shard
+
+    from fsdp_compat.guard import install_guard
 
     plan = plan_wrap(model, layer_classes, policy=policy)
     kwargs = dict(fsdp_kwargs or {})
@@ -31,4 +35,5 @@ def apply_fsdp2(
         target: nn.Module | list[nn.Module] = list(group.modules) if len(group.modules) > 1 else group.modules[0]
         fully_shard(target, **{**kwargs, **group.overrides})
     fully_shard(model, **kwargs)
+    install_guard(model)
     return plan

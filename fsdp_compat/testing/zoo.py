@@ -442,8 +442,16 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+def _external(name: str) -> Any:
+    """A test model outside the zoo, named "package.module:attr": attr has ``build()`` and ``batch(generator)``."""
+    import importlib
+
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def _check_name(name: str) -> None:
-    if name not in ZOO:
+    if name not in ZOO and ":" not in name:
         from fsdp_compat.errors import FsdpCompatError
 
         raise FsdpCompatError(f"unknown zoo model {name!r}; choose one of: {', '.join(ZOO)}")
@@ -455,7 +463,7 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu")
     devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        model = _BUILDERS[name]()
+        model = _BUILDERS[name]() if name in _BUILDERS else _external(name).build()
     model = model.to(device=device, dtype=torch.float32)
     model.train()
     for module in model.modules():
@@ -474,6 +482,8 @@ def make_batch(name: str, *, seed: int = 0, device: str | torch.device = "cpu") 
         batch = _glm_batch(name, g)
     elif name == "t5-shared":
         batch = _t5_batch(g)
+    elif name not in ZOO:
+        batch = _external(name).batch(g)
     else:
         batch = _text_batch(g)
     return {k: v.to(device) for k, v in batch.items()}

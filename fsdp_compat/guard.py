@@ -1,0 +1,409 @@
+"""Run-time guard: a parameter read while its FSDP2 group is sharded unshards that group instead of crashing.
+
+The static plan keeps a module out of its own group when the analysis sees a read of its parameters outside the
+group's window. A read the analysis missed would otherwise hand a sharded ``DTensor`` to an op that mixes it with
+plain tensors (``got mixed torch.Tensor and DTensor``). While the guarded model's forward runs, a
+``TorchFunctionMode`` looks at every op's tensor arguments; when one is the sharded parameter of an FSDP2 group,
+the guard unshards that group on the spot (an all-gather, the same on every rank because it depends only on which
+parameter the code reads), hands the op the unsharded parameter, and keeps the group unsharded until the end of
+backward: ``reshard_after_forward`` is off for the step and the group's post-backward (reduce-scatter, reshard)
+runs in FSDP2's root post-backward callback, after every gradient contribution, including the raw read's, has
+arrived. Afterwards the group's own setting comes back, so every step behaves the same. Each group is logged once
+(logger ``fsdp_compat``): the parameter, where it was read, and the plan change that avoids the run-time unshard.
+
+``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals of torch >= 2.6 (``FSDPParamGroup``);
+where they differ it warns once and stands aside, leaving FSDP2's own behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ENV_GUARD", "Guard", "GuardEvent", "guard_enabled", "guard_of", "install_guard"]
+
+ENV_GUARD = "FSDP_COMPAT_GUARD"
+_OFF = frozenset({"off", "0", "false", "no", "disable", "disabled"})
+logger = logging.getLogger("fsdp_compat")
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
+_SEQ = (list, tuple)
+# Reading these from a sharded parameter is fine (DTensor answers with the global metadata) and FSDP2 itself does
+# it in forward; only ops that compute with the values need the unsharded parameter.
+_METADATA = frozenset(
+    [
+        getattr(torch.Tensor, name).__get__
+        for name in (
+            "dtype",
+            "shape",
+            "device",
+            "ndim",
+            "requires_grad",
+            "is_leaf",
+            "grad",
+            "grad_fn",
+            "layout",
+            "is_cuda",
+            "is_meta",
+            "is_sparse",
+            "is_quantized",
+            "names",
+            "itemsize",
+            "nbytes",
+        )
+        if hasattr(torch.Tensor, name)
+    ]
+    + [
+        getattr(torch.Tensor, name)
+        for name in (
+            "size",
+            "dim",
+            "numel",
+            "nelement",
+            "ndimension",
+            "element_size",
+            "is_floating_point",
+            "is_complex",
+            "get_device",
+            "__len__",
+            "is_contiguous",
+            "stride",
+            "storage_offset",
+            "requires_grad_",
+        )
+        if hasattr(torch.Tensor, name)
+    ]
+)
+
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+
+
+def guard_enabled() -> bool:
+    """False when ``FSDP_COMPAT_GUARD`` is off (``off``, ``0``, ``false``, ``no``); on by default."""
+    return os.environ.get(ENV_GUARD, "on").strip().lower() not in _OFF
+
+
+def install_guard(model: nn.Module) -> Guard | None:
+    """Guard ``model`` (the root that is, or will be, ``fully_shard``-ed); returns None when the guard is off.
+
+    Idempotent: a second call returns the same guard. It may run before ``fully_shard`` (a framework selector that
+    shards afterwards): the FSDP2 groups are found at the first forward.
+    """
+    if not guard_enabled():
+        return None
+    existing = _GUARDS.get(model)
+    if existing is not None and existing.installed:
+        return existing
+    guard = Guard(model)
+    _GUARDS[model] = guard
+    return guard
+
+
+def guard_of(model: nn.Module) -> Guard | None:
+    """The guard installed on ``model``, if any."""
+    guard = _GUARDS.get(model)
+    return guard if guard is not None and guard.installed else None
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """A group the guard had to unshard at run time (recorded and logged at its first unshard)."""
+
+    group: str  # the group's module paths
+    parameter: str  # the parameter handed to an op while its group was sharded
+    where: str  # file:line (function) of the reading code
+    reader: str  # the innermost module whose forward was running there ("" = the root)
+    advice: str  # the plan change that avoids the run-time unshard
+    unsharded_bytes: int  # the group's unsharded parameter bytes, held from the read to the end of backward
+    message: str
+
+
+class _GuardMode(TorchFunctionMode):
+    """Per op: is any tensor argument a sharded FSDP2 parameter? One C-level set test per argument list."""
+
+    def __init__(self, guard: Guard) -> None:
+        super().__init__()
+        self.guard = guard
+        self.keys: Any = {}.keys()  # ids of the sharded parameters (a view of Guard._sharded)
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        keys = self.keys
+        if keys.isdisjoint(map(id, args)) and (not kwargs or keys.isdisjoint(map(id, kwargs.values()))):
+            for arg in args:  # tensor-list arguments: torch.cat([...]), einsum(eq, [...])
+                if arg.__class__ in _SEQ and not keys.isdisjoint(map(id, arg)):
+                    break
+            else:
+                return func(*args, **kwargs) if kwargs else func(*args)
+        return self.guard._on_sharded_read(func, args, kwargs or {})
+
+
+class Guard:
+    """The run-time guard of one model; see the module docstring. ``events`` lists the groups it unsharded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.events: list[GuardEvent] = []
+        self.unshards = 0  # run-time unshards so far (every step counts)
+        self._mode = _GuardMode(self)
+        self._sharded: dict[int, tuple[Any, Any]] = {}  # id(sharded parameter) -> (FSDPParamGroup, FSDPParam)
+        self._groups: list[Any] | None = None
+        self._paths: dict[int, str] = {}
+        self._pending: dict[Any, Any] = {}  # group -> its own post_forward_mesh_info, until the end of backward
+        self._logged: set[int] = set()
+        self._depth = 0
+        self._entered = False
+        self._grad = True
+        self._in_final_callback = False
+        self._broken = False
+        self._handles = [
+            model.register_forward_pre_hook(self._pre_forward),
+            model.register_forward_hook(self._post_forward, always_call=True),
+        ]
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Take the hooks off (groups it holds unsharded are released at the end of the current backward)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        _GUARDS.pop(self.model, None)
+
+    # ---------------------------------------------------------------------------------------- forward window
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth > 1 or self._broken:
+            return
+        try:
+            if not self._prepare():
+                return
+        except (AttributeError, TypeError) as exc:  # FSDP2 internals of another torch release
+            self._stand_aside(exc)
+            return
+        self._grad = torch.is_grad_enabled()
+        self._mode.__enter__()
+        self._entered = True
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth or not self._entered:
+            return
+        self._entered = False
+        self._mode.__exit__(None, None, None)
+        if not self._grad and self._pending:
+            self._release()  # no backward will follow a no-grad forward: reshard now
+
+    def _prepare(self) -> bool:
+        """Find the FSDP2 groups (once they exist) and index their sharded parameters for this forward."""
+        if not self._groups:
+            self._discover()
+            if not self._groups:
+                return False
+        self._sharded = {id(fp.sharded_param): (group, fp) for group in self._groups for fp in group.fsdp_params}
+        self._mode.keys = self._sharded.keys()
+        return True
+
+    def _discover(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        groups: dict[int, Any] = {}
+        roots: list[Any] = []
+        for module in self.model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            for group in _param_groups(state):
+                groups.setdefault(id(group), group)
+            if getattr(state, "_is_root", False) and state not in roots:
+                roots.append(state)
+        for state in roots:
+            if "_root_post_backward_final_callback" not in vars(state):
+                original = state._root_post_backward_final_callback
+                state._root_post_backward_final_callback = functools.partial(self._final_callback, original)
+        self._groups = list(groups.values())
+        self._paths = {id(m): path for path, m in self.model.named_modules(remove_duplicate=False)}
+
+    def _stand_aside(self, exc: BaseException) -> None:
+        self._broken = True
+        logger.warning(
+            "fsdp-compat: run-time guard disabled: this torch's FSDP2 internals differ from what it supports (%s: "
+            "%s); FSDP2 runs as without fsdp-compat's guard",
+            type(exc).__name__,
+            exc,
+        )
+
+    # ------------------------------------------------------------------------------------ a read while sharded
+
+    def _on_sharded_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func in _METADATA or _called_from_torch_distributed():
+            return func(*args, **kwargs)
+        hits = [self._sharded[i] for i in _argument_ids(args, kwargs) if i in self._sharded]
+        for group, fp in hits:
+            if not group.is_unsharded:
+                self._unshard(group, fp)
+        swap = {id(fp.sharded_param): fp.unsharded_param for _, fp in hits}
+        args = tuple(_swapped(a, swap) for a in args)
+        kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _unshard(self, group: Any, fp: Any) -> None:
+        if group not in self._pending:
+            self._pending[group] = group.post_forward_mesh_info
+            group.post_forward_mesh_info = None  # = set_reshard_after_forward(False) for this group, this step
+            group.post_backward = functools.partial(self._deferred_post_backward, group, type(group).post_backward)
+        group.unshard()
+        group.wait_for_unshard()
+        self.unshards += 1
+        if id(group) not in self._logged:
+            self._logged.add(id(group))
+            self._log(group, fp)
+
+    def _deferred_post_backward(self, group: Any, original: Callable[..., Any], *unused: Any) -> None:
+        """Autograd reaches a group's post-backward when its own forward's inputs get their gradients, which can
+        be before the raw read's backward: only FSDP2's root final callback runs it for a guarded group."""
+        if self._in_final_callback:
+            original(group, *unused)
+
+    def _final_callback(self, original: Callable[[], None]) -> None:
+        self._in_final_callback = True
+        try:
+            original()
+        finally:
+            self._in_final_callback = False
+            self._restore()
+
+    def _restore(self) -> None:
+        for group, mesh_info in self._pending.items():
+            group.post_forward_mesh_info = mesh_info
+            vars(group).pop("post_backward", None)
+        self._pending.clear()
+
+    def _release(self) -> None:
+        for group in self._pending:
+            if group.is_unsharded:
+                group.reshard()
+        self._restore()
+
+    # ------------------------------------------------------------------------------------------------ logging
+
+    def _log(self, group: Any, fp: Any) -> None:
+        holder = self._paths.get(id(fp._module_info.module), "?")
+        parameter = f"{holder}.{fp._module_info.param_name}" if holder else fp._module_info.param_name
+        members = [self._paths.get(id(m), "?") for m in group.modules]
+        name = " + ".join(m or "<root>" for m in members)
+        owner = next((m for m in members if _inside(holder, m)), members[0])  # the group member holding it
+        where, reader = self._reading_site()
+        advice = _advice(owner, reader, forward_ran=bool(getattr(group, "_post_forward_indices", None)))
+        nbytes = sum(p.unsharded_param.numel() * p.unsharded_param.element_size() for p in group.fsdp_params)
+        message = (
+            f"fsdp-compat: run-time guard: {parameter} was read while its FSDP2 group {name} was sharded, at "
+            f"{where} in {reader or '<root>'}.forward; unsharded the group there and kept it unsharded until "
+            f"the end of backward ({_fmt_bytes(nbytes)} the plan did not budget, on every step). To avoid it: "
+            f"{advice}."
+        )
+        self.events.append(GuardEvent(name, parameter, where, reader, advice, nbytes, message))
+        logger.warning("%s", message)
+
+    def _reading_site(self) -> tuple[str, str]:
+        """file:line of the first frame outside torch and this module, and the innermost module running there."""
+        frame = sys._getframe(1)
+        where = ""
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not where and filename != __file__ and not filename.startswith(_TORCH_DIR):
+                where = f"{filename}:{frame.f_lineno}"
+            if where:
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, nn.Module) and id(owner) in self._paths:
+                    return where, self._paths[id(owner)]
+            frame = frame.f_back
+        return where or "?", ""
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.10: one group per state
+        group = state._fsdp_param_group
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _argument_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterable[int]:
+    for value in (*args, *kwargs.values()):
+        if value.__class__ in _SEQ:
+            yield from map(id, value)
+        else:
+            yield id(value)
+
+
+def _swapped(value: Any, swap: dict[int, Any]) -> Any:
+    if value.__class__ in _SEQ:
+        return value.__class__(swap.get(id(v), v) for v in value)
+    return swap.get(id(value), value)
+
+
+def _called_from_torch_distributed() -> bool:
+    """FSDP2 and DTensor code may touch a sharded parameter in forward; that is theirs, not a raw read."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_DISTRIBUTED_DIR):
+            return True
+        if filename != __file__ and not filename.startswith(_TORCH_DIR):
+            return False
+        frame = frame.f_back
+    return False
+
+
+def _advice(owner: str, reader: str, *, forward_ran: bool) -> str:
+    """The plan change that covers the read: no group of its own, or a group at the reader that covers it."""
+    parts = [f"leave {owner} in its enclosing group"]
+    common = _common_ancestor(owner, reader)
+    if common and common != owner:
+        if common == reader:
+            parts.append(f"wrap the reader {reader} instead")
+        else:
+            parts.append(f"wrap {common} (holding both {owner} and the reader {reader}) instead")
+    if forward_ran:
+        parts.append(f"keep {owner}'s group unsharded after its forward (reshard_after_forward=False)")
+    return ", or ".join(parts)
+
+
+def _inside(path: str, ancestor: str) -> bool:
+    return not ancestor or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _common_ancestor(a: str, b: str) -> str:
+    left, right = a.split(".") if a else [], b.split(".") if b else []
+    common: list[str] = []
+    for x, y in zip(left, right, strict=False):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
