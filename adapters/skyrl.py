@@ -95,8 +95,10 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
 
     @functools.wraps(original)
     def modules_to_wrap_fsdp2(model: Any, cls_names: Any = None, *args: Any, **kwargs: Any) -> list[Any]:
+        from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import select_wrap_targets
 
+        install_guard(model)  # before SkyRL's own fully_shard calls: it finds the groups at the first forward
         names = [cls_names] if isinstance(cls_names, str) else (list(cls_names) if cls_names else None)
         return select_wrap_targets(model, names, policy=policy)
 

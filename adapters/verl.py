@@ -113,6 +113,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
 
     @functools.wraps(original)
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any) -> None:
+        from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import plan_wrap
 
         utils = sys.modules[original.__module__]
@@ -127,6 +128,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
                 fully_shard(target, **{**kwargs, **group.overrides})
         with context(model):
             fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
+        install_guard(model)  # a read the plan did not foresee unshards its group instead of crashing
         logger.debug("verl apply_fsdp2 (policy %s):\n%s", policy, plan)
 
     apply_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]
@@ -203,10 +205,12 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
     def _select_fsdp2_wrap_targets(
         model: Any, fsdp_transformer_layer_cls_to_wrap: Iterable[str] | str | None = None, *args: Any, **kwargs: Any
     ) -> list[Any]:
+        from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import select_wrap_targets
         from fsdp_compat.policies import resolve_policy
 
         targets = select_wrap_targets(model, _layer_names(fsdp_transformer_layer_cls_to_wrap), policy=policy)
+        install_guard(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
         if not resolve_policy(policy).analyzed:  # legacy & co reproduce an upstream rule as it is
             return targets
         targets += _by_name_wrappers(model, targets)  # no group above or below them: order stays bottom-up
