@@ -160,10 +160,13 @@ def test_plan_on_meta_device_and_per_rank_bytes() -> None:
 # Real FSDP2 on 2 gloo ranks
 
 
+GUARD_OFF = {"FSDP_COMPAT_GUARD": "off"}  # the run-time guard (tests/test_guard.py) turns these crashes into parity
+
+
 def test_legacy_reproduces_the_glm4v_crash() -> None:
     result = run_training(
         "glm4v", "fsdp_compat.testing.wraps:core_legacy", steps=1, timeout_s=240, device=DEVICE,
-        world_size=WORLD_SIZE,
+        world_size=WORLD_SIZE, env=GUARD_OFF,
     )
     assert not result.ok
     assert GRID_SAMPLER_CRASH in (result.error or ""), result.error
@@ -179,7 +182,8 @@ def test_legacy_reproduces_the_glm4v_crash() -> None:
 )
 def test_legacy_crashes_where_auto_trains(name: str, crash: str) -> None:
     result = run_training(
-        name, "fsdp_compat.testing.wraps:core_legacy", steps=1, timeout_s=240, device=DEVICE, world_size=WORLD_SIZE
+        name, "fsdp_compat.testing.wraps:core_legacy", steps=1, timeout_s=240, device=DEVICE, world_size=WORLD_SIZE,
+        env=GUARD_OFF,
     )
     assert not result.ok
     assert crash in (result.error or ""), result.error
