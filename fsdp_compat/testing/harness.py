@@ -32,6 +32,7 @@ __all__ = [
     "SmokeRow",
     "WrapFn",
     "format_smoke_table",
+    "run_ranks",
     "run_training",
 ]
 
@@ -240,26 +241,41 @@ def run_training(
         from fsdp_compat.errors import FsdpCompatError
 
         raise FsdpCompatError(f"world_size must be >= 1, got {world_size}")
-    start = time.monotonic()
-    deadline = start + timeout_s
     cfg = {
         "model": model,
         "wrap": _wrap_spec(wrap),
         "probe": _wrap_spec(probe),
-        "world_size": world_size,
         "steps": steps,
         "device": device,
-        "timeout_s": timeout_s,
         "seed": seed,
         "wrap_kwargs": wrap_kwargs or {},
-        "port": _free_port(),
     }
+    return run_ranks(
+        "fsdp_compat.testing.harness:_train", cfg, world_size=world_size, timeout_s=timeout_s, env=env, python=python
+    )
+
+
+def run_ranks(
+    body: str,
+    cfg: dict[str, Any],
+    *,
+    world_size: int = 2,
+    timeout_s: float = 180.0,
+    env: dict[str, str | None] | None = None,
+    python: str | None = None,
+) -> RunResult:
+    """Run ``body(cfg, rank, extra)`` ("package.module:function", see :func:`rank_entry`) on ``world_size``
+    fresh ranks under one deadline; the rank code gets ``cfg`` plus ``world_size``, ``timeout_s`` and a free
+    ``port`` for its process group. A rank that fails gets the others killed shortly after; all are reaped."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    cfg = {**cfg, "world_size": world_size, "timeout_s": timeout_s, "port": _free_port()}
     child_env = _child_env(env)
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="fsdp_compat_run_") as tmp:
         work = Path(tmp)
         (work / "config.json").write_text(json.dumps(cfg))
-        code = "from fsdp_compat.testing.harness import _rank_main; _rank_main()"
+        code = f"from fsdp_compat.testing.harness import _body_main; _body_main({body!r})"
         killed_reason: dict[int, str] = {}
         try:
             procs.extend(spawn_ranks(work, code, world_size, child_env, python=python))
@@ -381,9 +397,9 @@ def _exit_when_orphaned() -> None:
     threading.Thread(target=watch, name="fsdp-compat-orphan-watch", daemon=True).start()
 
 
-def _rank_main() -> None:
-    """Entry point of one rank: ``python -c ... WORKDIR RANK``."""
-    rank_entry(_train)
+def _body_main(body: str) -> None:
+    """Entry point of one rank of :func:`run_ranks`: ``body`` names the rank routine."""
+    rank_entry(_resolve(body))
 
 
 def rank_entry(body: Callable[[dict[str, Any], int, dict[str, Any]], RankResult | None]) -> None:

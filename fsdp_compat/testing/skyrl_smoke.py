@@ -30,10 +30,13 @@ from fsdp_compat.testing.harness import SmokeRow, format_smoke_table, run_traini
 
 __all__ = [
     "ENV_CONFIG",
+    "GLM4V_CRITIC_ERROR",
+    "GLM4V_LOAD_ERROR",
     "GRID_SAMPLER_CRASH",
     "MPP_IMPORT_ERROR",
     "SET_INDEX_CRASH",
     "installed_skyrl",
+    "loads_glm4v",
     "probe",
     "run",
     "skyrl_config",
@@ -48,6 +51,22 @@ MPP_IMPORT_ERROR = "cannot import name 'MixedPrecisionPolicy'"
 
 #: Releases whose apply_fsdp2 indexes ``_no_split_modules`` with [0] (a set in transformers 5).
 SET_INDEX_RELEASES = {"skyrl-train": SpecifierSet("<0.4"), "skyrl": SpecifierSet("<0.2")}
+
+#: Releases whose policy/ref ``HFModelWrapper`` builds ``AutoModelForImageTextToText`` for a config with a
+#: ``vision_config``; the others (and ``language_model_only`` / the critic everywhere) cannot load GLM4V at all.
+VLM_POLICY_RELEASES = {"skyrl": SpecifierSet(">=0.2")}
+GLM4V_LOAD_ERROR = (
+    "ValueError: Unrecognized configuration class <class 'transformers.models.glm4v.configuration_glm4v.Glm4vConfig'>"
+    " for this kind of AutoModel: AutoModelForCausalLM."
+)
+GLM4V_CRITIC_ERROR = "AttributeError: 'Glm4vConfig' object has no attribute 'hidden_size'"
+
+
+def loads_glm4v(distribution: str, version: Version) -> bool:
+    """Whether this SkyRL release's policy (and ref) model builder can load GLM4V."""
+    releases = VLM_POLICY_RELEASES.get(distribution)
+    return releases is not None and version in releases
+
 
 #: Rank-side choice of SkyRL config: "default" (the release's shipped defaults, no wrap policy), "explicit"
 #: (wrap_policy.transformer_layer_cls_to_wrap names GLM4V's layer classes), "text-only" (only the text

@@ -1,0 +1,258 @@
+"""SkyRL, real wheels: its own model loading and FSDP2 init (not only ``apply_fsdp2``), on gloo ranks, crash first.
+
+SkyRL's policy worker (``init_model``) runs ``FSDPStrategy.setup_distributed`` -> ``HFModelWrapper`` (meta
+weights on ranks other than 0) -> ``FSDPStrategy.prepare`` -> ``_fsdp_init_model``. That strategy hard-codes
+CUDA: ``setup_distributed`` builds an ``init_device_mesh("cuda")`` mesh, which ``fully_shard`` cannot use
+without CUDA, and ``fsdp2_load_full_state_dict`` stages tensors through ``.cuda()``. The CPU tests here assert
+exactly those two blockers on the real strategy, and train through a **reproduction of**
+``FSDPStrategy._fsdp_init_model`` / ``_fsdp_init_train_model`` (``tests/_skyrl_engine_ranks.py``): skyrl 0.4.0
+``skyrl/backends/skyrl_train/distributed/fsdp_strategy.py`` lines 202-285 (mixed-precision policy,
+``fsdp_kwargs``, ``state_dict()``, ``module.to("meta")`` with the rank-0 snapshot of non-persistent buffers,
+``apply_fsdp2(module, fsdp_kwargs, self.fsdp_config)``, ``fsdp2_load_full_state_dict``, AdamW and scheduler);
+skyrl-train 0.3.1 ``skyrl_train/distributed/fsdp_strategy.py`` lines 254-300 (its ``fsdp2`` branch, no meta
+move). SkyRL's own code runs wherever it can on CPU: the meta-init choice, ``HFModelWrapper`` loading the saved
+model and its forward (images as ``TensorList``), ``PrecisionType``, ``fsdp_strategy.MixedPrecisionPolicy`` and
+``fsdp_strategy.apply_fsdp2`` (the name SkyRL calls, patched by the installed ``.pth``), the "regular" PPO loss
+from ``PolicyLossRegistry``, ``FSDPStrategy.backward`` and ``optimizer_step`` (``max_grad_norm=0``: the clip
+moves the norm to ``torch.cuda.current_device()``). Only the CUDA lines are replaced: a "cpu" mesh of the same
+shape, and ``fsdp2_load_full_state_dict`` as torch's ``set_model_state_dict`` with SkyRL's options plus the
+non-persistent buffer broadcast on CPU.
+
+Which model: GLM4V where the release's policy builder can load it (skyrl >= 0.2: ``AutoModelForImageTextToText``);
+elsewhere ``AutoModelForCausalLM`` rejects ``Glm4vConfig`` (asserted), so those releases train the zoo's Qwen2,
+whose unpatched crash there is the set-indexing ``TypeError`` of SkyRL's own ``apply_fsdp2``.
+
+``FSDP_COMPAT_TEST_DEVICE=cuda`` (the ``-gpu`` tox factor) adds the real ``FSDPStrategy.prepare`` on one GPU,
+crash first; without CUDA that setting fails the session (``tests/conftest.py``). Ranks are fresh interpreters
+that never import an fsdp_compat adapter (the ``.pth`` hook patches SkyRL; ``FSDP_COMPAT=off`` turns it off).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+RANK_PATH = os.pathsep.join([str(TESTS), str(TESTS / "_skyrl_stubs")])
+REQUIRED = "skyrl" in os.environ.get("FSDP_COMPAT_REQUIRE", "").replace(",", " ").split()
+DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
+
+from fsdp_compat.testing.skyrl_smoke import installed_skyrl  # noqa: E402
+
+FOUND = installed_skyrl()
+if FOUND is None:
+    if REQUIRED:
+        pytest.fail("no skyrl or skyrl-train distribution installed (FSDP_COMPAT_REQUIRE=skyrl)", pytrace=False)
+    pytest.skip("no skyrl or skyrl-train distribution installed", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from fsdp_compat.testing.harness import PARITY_TOL, RunResult, run_ranks  # noqa: E402
+from fsdp_compat.testing.skyrl_smoke import (  # noqa: E402
+    ENV_CONFIG,
+    GLM4V_CRITIC_ERROR,
+    GLM4V_LOAD_ERROR,
+    GRID_SAMPLER_CRASH,
+    SET_INDEX_CRASH,
+    loads_glm4v,
+)
+
+DISTRIBUTION, VERSION = FOUND
+RELEASE = f"{DISTRIBUTION} {VERSION}"
+MODEL = "glm4v" if loads_glm4v(DISTRIBUTION, VERSION) else "qwen2"
+UNPATCHED_CRASH = GRID_SAMPLER_CRASH if MODEL == "glm4v" else SET_INDEX_CRASH
+NO_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
+STEPS = 2
+#: Every rank: .pth patching off or on, and skyrl-train 0.3.1's missing re-export repaired test-side so that
+#: its fsdp_strategy imports without the adapter (``tests/_skyrl_ranks.py``).
+BASE_ENV = {"PYTHONPATH": RANK_PATH, "FSDP_COMPAT_TEST_REPAIR_MPP": "1"}
+
+pytestmark = [pytest.mark.skyrl]
+
+
+def _pth_installed() -> bool:
+    try:
+        files = metadata.distribution("fsdp-compat").files or []
+    except metadata.PackageNotFoundError:
+        return False
+    return any(f.name == "fsdp_compat.pth" for f in files)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The zoo's GLM4V and Qwen2, written with ``save_pretrained`` as a user's checkpoint folder."""
+    from fsdp_compat.testing.zoo import build_model
+
+    if not _pth_installed():
+        pytest.fail("fsdp-compat is not installed as a wheel with its .pth (pip install .)", pytrace=False)
+    root = tmp_path_factory.mktemp("skyrl_engine_models")
+    paths = {}
+    for name in ("glm4v", "qwen2"):
+        build_model(name).save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
+def _run(body: str, cfg: dict[str, Any], *, world_size: int = 2, **env: str) -> RunResult:
+    result = run_ranks(
+        f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=240, env={**BASE_ENV, **env}
+    )
+    outcome = "ok" if result.ok else result.exception
+    print(f"{RELEASE} {body} {cfg.get('model', '')} {env}: {outcome} ({result.seconds:.1f}s)")
+    return result
+
+
+def _assert_crash(result: RunResult, text: str) -> None:
+    assert not result.ok, f"expected the upstream crash ({text}), but it ran"
+    assert text in (result.exception or ""), result.error
+
+
+# -------------------------------------------------------------------------------------------------- loading
+
+
+@pytest.mark.timeout(300)
+def test_which_skyrl_model_builders_load_glm4v(saved: dict[str, str]) -> None:
+    """policy/ref load GLM4V only where the release has the VLM branch; language_model_only and critic never."""
+    result = _run("loading_paths", {"path": saved["glm4v"]}, world_size=1)
+    result.raise_for_error()
+    seen = result.ranks[0].extra
+    assert seen["release"] == RELEASE
+    if loads_glm4v(DISTRIBUTION, VERSION):
+        assert seen["policy"] == {"loaded": "Glm4vForConditionalGeneration"}, seen
+        assert seen["language_model_only"] == {"error": GLM4V_LOAD_ERROR}, seen
+    else:
+        assert seen["policy"] == {"error": GLM4V_LOAD_ERROR}, seen
+    assert seen["critic"] == {"error": GLM4V_CRITIC_ERROR}, seen
+
+
+# ---------------------------------------------------------------------------- _fsdp_init_model reproduction
+
+
+def _train_cfg(saved: dict[str, str]) -> dict[str, Any]:
+    return {"path": saved[MODEL], "model": MODEL, "seed": 0, "steps": STEPS}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_init_model_unpatched_crashes(saved: dict[str, str]) -> None:
+    """FSDP_COMPAT=off: SkyRL's own wrap crashes the first step (GLM4V's grid_sampler, or the set indexing)."""
+    result = _run("init_and_train", _train_cfg(saved), FSDP_COMPAT="off")
+    _assert_crash(result, UNPATCHED_CRASH)
+    for rank in result.failing_ranks:
+        assert rank.extra["strategy_apply_fsdp2_patched"] is False, rank.extra
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_init_model_trains_with_exact_parity(saved: dict[str, str]) -> None:
+    """Patched by the .pth hook: gradients and parameters after each AdamW step equal an unsharded
+    single-process HFModelWrapper of the same checkpoint (0.0), both ranks agree, the loss moves."""
+    result = _run("init_and_train", _train_cfg(saved))
+    result.raise_for_error()
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
+        result.max_abs_grad_diff,
+        result.max_abs_param_diff,
+    )
+    losses = [rank.losses for rank in result.ranks]
+    assert losses[0] == losses[1] == result.ranks[0].extra["reference_losses"], losses
+    assert len(losses[0]) == STEPS and losses[0][0] != losses[0][-1], losses
+    assert [rank.extra["meta_init"] for rank in result.ranks] == [False, True]  # SkyRL's meta init on rank 1
+    for rank in result.ranks:
+        extra = rank.extra
+        assert extra["release"] == RELEASE and extra["adapter_imported_before_skyrl"] is False, extra
+        assert extra["strategy_apply_fsdp2_patched"] and extra["probe"]["activated_by"] == "pth-hook", extra
+        assert extra["max_param_update"] > 0.0, extra
+        assert "" in extra["fsdp_groups"], extra
+        assert "model.visual.embeddings.position_embedding" not in extra["fsdp_groups"], extra
+    print(f"{RELEASE} {MODEL} losses {losses[0]} Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+
+
+# ---------------------------------------------------------------------------------- the real FSDPStrategy
+
+if DEVICE == "cpu" and not torch.cuda.is_available():
+
+    @pytest.mark.timeout(300)
+    def test_real_fsdp_strategy_needs_cuda(saved: dict[str, str]) -> None:
+        """The blockers a CPU user meets in SkyRL's own strategy, in order, with fsdp-compat active."""
+        result = _run("real_strategy", {"path": saved[MODEL], "model": MODEL, "seed": 0, "device": "cpu"}, world_size=1)
+        result.raise_for_error()
+        seen = result.ranks[0].extra
+        assert seen["patched"] is True and seen["mesh_device_type"] == "cuda", seen
+        first, second = seen["prepare_cuda_mesh"], seen["prepare_cpu_mesh"]
+        # 1. setup_distributed's init_device_mesh("cuda"): the first fully_shard asks CUDA for its device.
+        assert first["exception"] == NO_CUDA, first
+        assert first["skyrl_frame"].endswith("fsdp_strategy.py:_fsdp_init_model"), first
+        assert first["skyrl_line"] == "apply_fsdp2(module, fsdp_kwargs, self.fsdp_config)", first
+        assert first["fsdp_groups"] == [], first
+        # 2. given a CPU mesh, apply_fsdp2 shards the model and fsdp2_load_full_state_dict calls .cuda().
+        assert second["exception"] == NO_CUDA, second
+        assert "/distributed/fsdp_utils.py:" in second["skyrl_frame"] and ".cuda()" in second["skyrl_line"], second
+        assert "" in second["fsdp_groups"] and len(second["fsdp_groups"]) > 1, second
+
+
+if DEVICE == "cuda":
+
+    @pytest.mark.slow
+    @pytest.mark.timeout(600)
+    def test_real_fsdp_strategy_prepare_on_one_gpu(saved: dict[str, str]) -> None:
+        """setup_distributed, HFModelWrapper, prepare and PPO steps through SkyRL's own FSDPStrategy, crash first."""
+        if not torch.cuda.is_available():
+            pytest.fail("FSDP_COMPAT_TEST_DEVICE=cuda but CUDA is not available", pytrace=False)
+        cfg = {"path": saved[MODEL], "model": MODEL, "seed": 0, "steps": STEPS, "device": "cuda"}
+        _assert_crash(_run("real_strategy", cfg, world_size=1, FSDP_COMPAT="off"), UNPATCHED_CRASH)
+        result = _run("real_strategy", cfg, world_size=1)
+        result.raise_for_error()
+        seen = result.ranks[0].extra
+        assert seen["patched"] and seen["probe"]["activated_by"] == "pth-hook", seen
+        assert "model.visual.embeddings.position_embedding" not in seen["fsdp_groups"], seen
+        losses, reference = result.ranks[0].losses, seen["reference_step1_loss"]
+        assert abs(losses[0] - reference) <= PARITY_TOL * max(1.0, abs(reference)), (losses, reference)
+        assert len(losses) == STEPS and losses[0] != losses[-1], losses
+        print(f"{RELEASE} real FSDPStrategy on CUDA: losses {losses}, unsharded step-1 loss {reference}")
+
+
+# ------------------------------------------------------------------------------------------------------- Ray
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_ray_actors_crash_unpatched_then_train_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Ray actors form a gloo group and call SkyRL's apply_fsdp2 on GLM4V: with FSDP_COMPAT=off in their
+    runtime_env they crash in grid_sampler; two fresh actors without it train at exact parity (.pth hook)."""
+    ray = pytest.importorskip("ray")
+    import _skyrl_ranks
+
+    from fsdp_compat.testing.harness import _free_port
+
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([RANK_PATH, *inherited]))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.delenv("FSDP_COMPAT", raising=False)
+    common = {"FSDP_COMPAT_TEST_REPAIR_MPP": "1", ENV_CONFIG: "explicit"}
+    outcomes = {}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for case, env in (("off", {**common, "FSDP_COMPAT": "off"}), ("patched", common)):
+            actor = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(_skyrl_ranks.RayRank)
+            ranks = [actor.remote() for _ in range(2)]
+            port = _free_port()
+            outcomes[case] = ray.get([a.run.remote(i, 2, port, STEPS, 120.0) for i, a in enumerate(ranks)], timeout=300)
+            for a in ranks:
+                ray.kill(a)
+    finally:
+        ray.shutdown()
+    for r in outcomes["off"]:
+        assert not r["ok"] and GRID_SAMPLER_CRASH in r["error"], r.get("error")
+        assert r["extra"]["strategy_apply_fsdp2_patched_on_import"] is False
+    errors = [r["error"] for r in outcomes["patched"] if not r["ok"]]
+    assert not errors, "\n".join(errors)
+    assert len({r["extra"]["pid"] for r in outcomes["patched"]}) == 2
+    for r in outcomes["patched"]:
+        assert r["extra"]["probe"]["activated_by"] == "pth-hook", r["extra"]
+        assert r["max_abs_grad_diff"] == 0.0 and r["max_abs_param_diff"] == 0.0, r
+    print(f"{RELEASE} ray: off -> {GRID_SAMPLER_CRASH}; patched Δgrad=0.0 Δparam=0.0", file=sys.stderr)
