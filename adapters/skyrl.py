@@ -19,32 +19,32 @@ Activation: the ``.pth`` start-up hook (SkyRL's Ray workers share the driver's e
 from __future__ import annotations
 
 import functools
-import importlib
-import sys
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from fsdp_compat._autoload import ADAPTERS
+from fsdp_compat.activation import Adapter, Reexport, Release, Replacement, activate_on_import, logger
 
-from fsdp_compat.activation import Adapter, Replacement, activate_on_import, logger
+__all__ = [
+    "ADAPTER",
+    "PACKAGES",
+    "RELEASES",
+    "SUPPORTED",
+    "SkyRLAdapter",
+    "is_patched",
+    "make_apply_fsdp2",
+    "make_modules_to_wrap_fsdp2",
+    "patch",
+    "unpatch",
+]
 
-__all__ = ["ADAPTER", "PACKAGES", "SUPPORTED", "SkyRLAdapter", "is_patched", "patch", "unpatch"]
+#: distribution -> supported releases (from the registry row in fsdp_compat._autoload).
+SUPPORTED: dict[str, str] = ADAPTERS["skyrl"].supported
 
-#: distribution -> supported releases (skyrl-train is superseded by skyrl; skyrl 0.0.1 is a placeholder).
-SUPPORTED: dict[str, str] = {
-    "skyrl": ">=0.1.0,<0.5",
-    "skyrl-train": ">=0.1.0,<0.4",
-}
-
-#: distribution -> the package holding ``fsdp_utils`` and its by-name importer ``fsdp_strategy``.
+#: distribution -> the package holding ``fsdp_utils`` (the trigger) and its by-name importer ``fsdp_strategy``.
 PACKAGES: dict[str, str] = {
-    "skyrl": "skyrl.backends.skyrl_train.distributed",
-    "skyrl-train": "skyrl_train.distributed",
+    dist: trigger.rpartition(".")[0] for dist, (trigger, _) in ADAPTERS["skyrl"].distributions.items()
 }
-
-#: skyrl-train 0.3.1's fsdp_strategy imports MixedPrecisionPolicy from fsdp_utils, which stopped importing it.
-_MISSING_REEXPORT = {("skyrl-train", Version("0.3.1")): "MixedPrecisionPolicy"}
 
 UPSTREAM_SELECTOR = "modules_to_wrap_fsdp2"
 
@@ -106,87 +106,43 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
     return modules_to_wrap_fsdp2
 
 
+# --------------------------------------------------------------------------------------------- release table
+
+
+def _replacements(distribution: str) -> tuple[Replacement, ...]:
+    """``fsdp_utils.apply_fsdp2`` (rebound in ``fsdp_strategy``); a release that ships the upstream selector gets
+    the selector replaced instead (its own ``apply_fsdp2`` looks it up at call time)."""
+    utils, strategy = f"{PACKAGES[distribution]}.fsdp_utils", f"{PACKAGES[distribution]}.fsdp_strategy"
+    return (
+        Replacement(utils, UPSTREAM_SELECTOR, make_modules_to_wrap_fsdp2, (strategy,), optional=True),
+        Replacement(utils, "apply_fsdp2", make_apply_fsdp2, (strategy,), unless=UPSTREAM_SELECTOR),
+    )
+
+
+#: skyrl-train 0.3.1's fsdp_strategy imports MixedPrecisionPolicy from fsdp_utils, which stopped importing it
+#: (0.3.0 had it), so fsdp_strategy cannot be imported at all; the repair runs inside the same transaction.
+MPP_REPAIR = Reexport(
+    f"{PACKAGES['skyrl-train']}.fsdp_utils",
+    "MixedPrecisionPolicy",
+    "torch.distributed.fsdp:MixedPrecisionPolicy",
+    why="skyrl-train 0.3.1's fsdp_strategy imports it from here",
+)
+
+RELEASES: tuple[Release, ...] = (
+    Release("==0.3.1", _replacements("skyrl-train"), (MPP_REPAIR,), distribution="skyrl-train"),
+    Release(">=0.1.0", _replacements("skyrl-train"), distribution="skyrl-train"),
+    Release(">=0.1.0", _replacements("skyrl"), distribution="skyrl"),
+)
+
+
 # --------------------------------------------------------------------------------------------------- adapter
 
 
 class SkyRLAdapter(Adapter):
-    """skyrl-train 0.1.0-0.3.x, skyrl 0.1.0-0.4.x: ``fsdp_utils.apply_fsdp2`` (also in ``fsdp_strategy``)."""
+    """skyrl-train 0.1.0-0.3.x and skyrl 0.1.0-0.4.x, each patched on its own (both may be installed)."""
 
-    name = "skyrl"
-    supported = SUPPORTED
-    trigger_modules = tuple(f"{package}.fsdp_utils" for package in PACKAGES.values())
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._reexport: tuple[Any, str, Any] | None = None  # (module, name, object) added by repair_reexport
-
-    def installed(self) -> tuple[str, Version] | None:
-        """The distribution whose modules are loaded (both may be installed), else the first one installed."""
-        found: list[tuple[str, Version]] = []
-        for distribution in self.supported:
-            try:
-                found.append((distribution, Version(metadata.version(distribution))))
-            except (metadata.PackageNotFoundError, InvalidVersion):
-                continue
-        for distribution, version in found:
-            if f"{PACKAGES[distribution]}.fsdp_utils" in sys.modules:
-                return distribution, version
-        return found[0] if found else None
-
-    def plan_patches(self, distribution: str, version: Version) -> list[Replacement]:
-        package = PACKAGES[distribution]
-        utils = importlib.import_module(f"{package}.fsdp_utils")
-        policy = self.policy()
-        if callable(getattr(utils, UPSTREAM_SELECTOR, None)):
-            name, make = UPSTREAM_SELECTOR, make_modules_to_wrap_fsdp2
-        else:
-            name, make = "apply_fsdp2", make_apply_fsdp2
-        return [
-            Replacement(
-                module=utils.__name__,
-                name=name,
-                make=lambda original, make=make: make(original, policy),
-                importers=(f"{package}.fsdp_strategy",),
-            )
-        ]
-
-    def patch(self, *, activated_by: str = "explicit") -> bool:
-        patched = super().patch(activated_by=activated_by)
-        if patched and self._reexport is None:
-            self.repair_reexport()
-        return patched
-
-    def unpatch(self) -> None:
-        with self._lock:
-            if self._reexport is not None:
-                module, name, value = self._reexport
-                if vars(module).get(name) is value:
-                    delattr(module, name)
-                self._reexport = None
-        super().unpatch()
-
-    def describe(self) -> list[str]:
-        lines = super().describe()
-        if self._reexport is not None:
-            module, name, _ = self._reexport
-            lines.append(f"{module.__name__}.{name} re-exported (fsdp_strategy of this release imports it)")
-        return lines
-
-    def repair_reexport(self) -> None:
-        """skyrl-train 0.3.1 only: give ``fsdp_utils`` back the ``MixedPrecisionPolicy`` its ``fsdp_strategy``
-        imports from it (0.3.0 had it), so that ``fsdp_strategy`` can be imported at all."""
-        if self.version is None or self.version not in _MISSING_REEXPORT:
-            return
-        name = _MISSING_REEXPORT[self.version]
-        utils = sys.modules.get(f"{PACKAGES[self.version[0]]}.fsdp_utils")
-        if utils is None or hasattr(utils, name):
-            return
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        with self._lock:
-            setattr(utils, name, MixedPrecisionPolicy)
-            self._reexport = (utils, name, MixedPrecisionPolicy)
-        logger.info("%s: re-exported %s.%s (missing in this release)", self.name, utils.__name__, name)
+    key = "skyrl"
+    releases = RELEASES
 
 
 ADAPTER = SkyRLAdapter()

@@ -30,18 +30,20 @@ import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from fsdp_compat.activation import Adapter, Replacement, activate_on_import, force_enabled, logger
+from fsdp_compat._autoload import ADAPTERS
+from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import, logger
+
+from .verl_glm4v import REPAIRS as GLM4V_FORWARD
 
 __all__ = [
     "ADAPTER",
     "RELEASES",
     "SUPPORTED",
+    "Release",
     "VerlAdapter",
     "is_patched",
     "make_apply_fsdp2",
@@ -50,14 +52,15 @@ __all__ = [
     "unpatch",
 ]
 
-UTILS = "verl.utils.fsdp_utils"
+#: the trigger module (the registry row is its one home); every release defines the FSDP2 selection here
+UTILS = ADAPTERS["verl"].distributions["verl"][0]
 _WORKERS = "verl.workers.fsdp_workers"
 _SFT = "verl.trainer.fsdp_sft_trainer"
 _ENGINE_05 = "verl.workers.engine.fsdp.engine_impl"
 _ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 
-#: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
-SUPPORTED: dict[str, str] = {"verl": ">=0.4.0,<0.10.0a0"}
+#: distribution -> supported versions (from the registry row in fsdp_compat._autoload)
+SUPPORTED: dict[str, str] = ADAPTERS["verl"].supported
 
 
 # ------------------------------------------------------------------------------------------------ replacements
@@ -226,30 +229,22 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
 # --------------------------------------------------------------------------------------------- release table
 
 
-@dataclass(frozen=True)
-class Release:
-    """One row of the table: for these versions, this name in ``verl.utils.fsdp_utils`` becomes ``make(...)``."""
-
-    versions: str
-    name: str
-    make: Callable[[Callable[..., Any], str], Callable[..., Any]]
-    importers: tuple[str, ...] = ()
-
-    def matches(self, version: Version) -> bool:
-        return SpecifierSet(self.versions).contains(version, prereleases=True)
+def _selection(name: str, make: Callable[..., Any], importers: tuple[str, ...] = ()) -> tuple[Replacement, ...]:
+    return (Replacement(UTILS, name, make, importers),)
 
 
 RELEASES: tuple[Release, ...] = (
-    Release(">=0.4.0,<0.5.0", "apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT)),
-    Release(">=0.5.0,<0.6.0", "apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE_05)),
-    Release(">=0.6.0,<0.7.1", "apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE)),
-    Release(">=0.7.1", "_select_fsdp2_wrap_targets", make_select_fsdp2_wrap_targets),
+    Release(">=0.4.0,<0.5.0", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT))),
+    Release(">=0.5.0,<0.6.0", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE_05))),
+    Release(">=0.6.0,<0.7.1", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE))),
+    # + verl's GLM4V forward on transformers 5 (fsdp_compat.adapters.verl_glm4v; empty on transformers 4)
+    Release(">=0.7.1", _selection("_select_fsdp2_wrap_targets", make_select_fsdp2_wrap_targets) + GLM4V_FORWARD),
 )
 
 
 def release_for(version: Version) -> Release | None:
     """The table row for ``version`` (None below 0.4.0: no FSDP2)."""
-    return next((row for row in RELEASES if row.matches(version)), None)
+    return next((row for row in RELEASES if row.matches("verl", version)), None)
 
 
 # ----------------------------------------------------------------------------------------------------- adapter
@@ -258,27 +253,8 @@ def release_for(version: Version) -> Release | None:
 class VerlAdapter(Adapter):
     """verl 0.4.0 - 0.9.1 and main: the FSDP2 selection in ``verl.utils.fsdp_utils`` (see the module table)."""
 
-    name = "verl"
-    supported = SUPPORTED
-    trigger_modules = (UTILS,)
-
-    def plan_patches(self, distribution: str, version: Version) -> list[Replacement]:
-        row = release_for(version)
-        if row is None:  # only reachable with FSDP_COMPAT_FORCE=1 below 0.4.0
-            from fsdp_compat.errors import FsdpCompatError
-
-            raise FsdpCompatError(f"verl {version} has no FSDP2 path (added in 0.4.0); nothing to patch.")
-        if not self.is_supported(distribution, version) and force_enabled():
-            logger.warning("verl %s: applying the verl %s row because FSDP_COMPAT_FORCE=1", version, row.versions)
-        policy = self.policy()
-        return [
-            Replacement(
-                module=UTILS,
-                name=row.name,
-                make=lambda original, make=row.make: make(original, policy),
-                importers=row.importers,
-            )
-        ]
+    key = "verl"
+    releases = RELEASES
 
 
 def _loading_path() -> str:

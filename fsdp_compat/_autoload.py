@@ -1,15 +1,27 @@
-"""Start-up hook: the installed ``fsdp_compat.pth`` calls :func:`install` in every Python process.
+"""The switches, the adapter registry and fsdp-compat's one import-hook engine; what ``fsdp_compat.pth`` runs.
 
-It activates the adapters where no framework hook can (SkyRL's Ray workers, verl's critic worker, old verl
-releases): the moment a framework's trigger module finishes importing, the matching adapter module is imported
-and patches it. Until then it costs one dict lookup per import.
+Everything here must stay cheap, because the installed ``.pth`` calls :func:`install` in every Python process of
+the environment (SkyRL's Ray workers, verl's critic worker): this module imports only ``os``, ``sys`` and
+``_thread``, which every interpreter has loaded already. Importing it has no side effect.
 
-Why not wrapt here: ``import wrapt`` (2.x) pulls in asyncio, inspect and importlib.metadata, about 50 ms
-that every interpreter of the environment would pay at start. This module imports only ``os``, ``sys`` and
-``_thread`` (loaded at start anyway); :mod:`fsdp_compat.activation` uses wrapt once a framework is imported.
+**The engine.** :class:`ImportHooks` is a single meta-path finder that answers only for module names somebody
+watches (one dict lookup per import otherwise) and runs callbacks right after such a module has executed, before
+the ``import`` statement that loaded it returns. It serves three clients:
 
-This module also holds the switches and the adapter registry, because it must stay import-cheap:
-:mod:`fsdp_compat.activation` re-exports them. Importing it has no side effect; only :func:`install` does.
+- the ``.pth`` triggers: :func:`install` watches every adapter's trigger modules and, when one loads, imports the
+  adapter module and lets it patch (``activated by pth-hook``);
+- late triggers: an adapter imported before its framework watches the framework's trigger modules;
+- late importers: a patched adapter watches the modules that bind the replaced name with ``from x import name``
+  (and deferred replacements), so they are rebound the moment they load.
+
+**The registry.** :data:`ADAPTERS` is the one home of what must be known without importing an adapter: its module,
+and per distribution the trigger module (its import activates the adapter) and the supported versions. Adding an
+adapter is one row here plus its declaration module (see :mod:`fsdp_compat.activation`)::
+
+    "myframework": AdapterEntry(
+        "fsdp_compat.adapters.myframework",  # the declaration module (adapters/myframework.py)
+        {"myframework": ("myframework.distributed.fsdp", ">=1.2,<1.4")},  # distribution: (trigger, supported)
+    ),
 """
 
 from __future__ import annotations
@@ -18,66 +30,111 @@ import _thread
 import os
 import sys
 
-ENV_SWITCH = "FSDP_COMPAT"
-ENV_AUTOLOAD = "FSDP_COMPAT_AUTOLOAD"
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is not loaded at interpreter start; keep it that way
+    from collections.abc import Callable
+    from types import ModuleType
+
+# ------------------------------------------------------------------------------------------------------ switches
+
+ENV_SWITCH = "FSDP_COMPAT"  #: off/0/false/no: no automatic activation at all (explicit patch() still works)
+ENV_AUTOLOAD = "FSDP_COMPAT_AUTOLOAD"  #: 0: only the .pth start-up hook is off
+ENV_POLICY = "FSDP_COMPAT_POLICY"  #: the wrap policy the adapters use (default auto)
+ENV_FORCE = "FSDP_COMPAT_FORCE"  #: 1: patch a framework version outside the supported range
+ENV_LOG = "FSDP_COMPAT_LOG"  #: quiet: drop the INFO lines
 _OFF_VALUES = frozenset({"off", "0", "false", "no"})
+_ON_VALUES = frozenset({"1", "true", "yes", "on"})
 
-#: adapter key -> (adapter module, trigger modules: importing any of them activates the adapter)
-ADAPTER_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "verl": ("fsdp_compat.adapters.verl", ("verl.utils.fsdp_utils",)),
-    "skyrl": (
-        "fsdp_compat.adapters.skyrl",
-        ("skyrl_train.distributed.fsdp_utils", "skyrl.backends.skyrl_train.distributed.fsdp_utils"),
-    ),
-}
+#: Every log line and warning starts with this, whatever handler formats it, so job logs can be grepped for it.
+PREFIX = "fsdp-compat:"
 
 
-def _is_off(variable: str) -> bool:
-    return os.environ.get(variable, "").strip().lower() in _OFF_VALUES
+def _env(variable: str) -> str:
+    return os.environ.get(variable, "").strip().lower()
 
 
 def automatic_activation_enabled() -> bool:
     """False when ``FSDP_COMPAT`` is off/0/false/no: no .pth hook, entry point or import-time patching."""
-    return not _is_off(ENV_SWITCH)
+    return _env(ENV_SWITCH) not in _OFF_VALUES
 
 
 def autoload_enabled() -> bool:
     """False when automatic activation is off or ``FSDP_COMPAT_AUTOLOAD=0`` (only the .pth hooks are off)."""
-    return automatic_activation_enabled() and not _is_off(ENV_AUTOLOAD)
+    return automatic_activation_enabled() and _env(ENV_AUTOLOAD) not in _OFF_VALUES
 
 
-def _trigger_table() -> dict[str, str]:
-    return {trigger: key for key, (_, triggers) in ADAPTER_MODULES.items() for trigger in triggers}
+def force_enabled() -> bool:
+    """``FSDP_COMPAT_FORCE=1``: patch an unknown or unsupported framework version anyway (with a warning)."""
+    return _env(ENV_FORCE) in _ON_VALUES
 
 
-def _warn(message: str) -> None:
-    """Report on stderr without importing logging or warnings (this runs at interpreter start)."""
+def quiet() -> bool:
+    """``FSDP_COMPAT_LOG=quiet`` (or off/0/warning): INFO lines are dropped, warnings stay."""
+    return _env(ENV_LOG) in {"quiet", "off", "0", "warning"}
+
+
+def warn(message: str) -> None:
+    """Report on stderr without importing logging or warnings (this may run at interpreter start)."""
     try:  # noqa: SIM105 - contextlib is not imported at start; keep it that way
-        sys.stderr.write(f"fsdp_compat: {message}\n")
+        sys.stderr.write(f"{PREFIX} {message}\n")
     except Exception:  # no usable stderr (pythonw, closed pipe): nothing more to do
         pass
 
 
-def _activate(key: str, trigger: str) -> None:
-    """Import the adapter and patch; never raises, so the user's import of the framework always goes on."""
-    if not autoload_enabled():
-        return
-    try:
-        from fsdp_compat.activation import _activate_from_pth
+# ------------------------------------------------------------------------------------------------------ registry
 
-        _activate_from_pth(key, trigger)
-    except Exception as exc:
-        _warn(
-            f"the {key} adapter could not be activated after importing {trigger}: {type(exc).__name__}: {exc}"
-        )
+
+class AdapterEntry:
+    """One adapter: its module and, per distribution, ``(trigger module, supported versions as PEP 440)``."""
+
+    __slots__ = ("distributions", "module")
+
+    def __init__(self, module: str, distributions: dict[str, tuple[str, str]]) -> None:
+        self.module = module
+        self.distributions = distributions
+
+    @property
+    def triggers(self) -> dict[str, str]:
+        """trigger module -> distribution."""
+        return {trigger: dist for dist, (trigger, _) in self.distributions.items()}
+
+    @property
+    def supported(self) -> dict[str, str]:
+        """distribution -> supported versions."""
+        return {dist: spec for dist, (_, spec) in self.distributions.items()}
+
+    def __repr__(self) -> str:
+        return f"AdapterEntry({self.module!r}, {self.distributions!r})"
+
+
+#: adapter key -> entry. verl: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
+#: SkyRL: skyrl-train is superseded by skyrl (both can be installed side by side); skyrl 0.0.1 is a placeholder.
+ADAPTERS: dict[str, AdapterEntry] = {
+    "verl": AdapterEntry("fsdp_compat.adapters.verl", {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")}),
+    "skyrl": AdapterEntry(
+        "fsdp_compat.adapters.skyrl",
+        {
+            "skyrl-train": ("skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.4"),
+            "skyrl": ("skyrl.backends.skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.5"),
+        },
+    ),
+}
+
+
+def adapter_modules() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """adapter key -> (adapter module, trigger modules): a view of :data:`ADAPTERS`."""
+    return {key: (e.module, tuple(e.triggers)) for key, e in ADAPTERS.items()}
+
+
+# ------------------------------------------------------------------------------------------------------- engine
 
 
 class _HookLoader:
-    """Wraps the real loader of a trigger module to run the adapter right after the module executed."""
+    """Wraps the real loader of a watched module to run the callbacks right after the module executed."""
 
-    def __init__(self, loader: object, key: str) -> None:
+    def __init__(self, loader: object, hooks: ImportHooks) -> None:
         self._fsdp_compat_loader = loader
-        self._fsdp_compat_key = key
+        self._fsdp_compat_hooks = hooks
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._fsdp_compat_loader, name)
@@ -95,19 +152,65 @@ class _HookLoader:
         if getattr(module, "__loader__", None) is self:
             module.__loader__ = loader  # type: ignore[attr-defined]
         loader.exec_module(module)  # type: ignore[attr-defined]
-        _activate(self._fsdp_compat_key, getattr(module, "__name__", "?"))
+        self._fsdp_compat_hooks.fire(module)  # type: ignore[arg-type]
 
 
-class _TriggerFinder:
-    """Meta-path finder that reacts only to the trigger module names and defers to the other finders."""
+class ImportHooks:
+    """The meta-path finder: post-import callbacks per module name, keyed so that registering twice is a no-op.
 
-    def __init__(self, triggers: dict[str, str]) -> None:
-        self.triggers = triggers
+    Callbacks stay registered (a module deleted from ``sys.modules`` and imported again fires them again); each
+    decides for itself whether there is anything left to do. A callback that raises is reported and skipped: it
+    never breaks the user's import.
+    """
+
+    def __init__(self) -> None:
+        self._hooks: dict[str, dict[object, Callable[[ModuleType], None]]] = {}
+        self._lock = _thread.allocate_lock()
         self._busy: set[tuple[int, str]] = set()
 
+    # -- registration ------------------------------------------------------------------------------------
+
+    def watch(self, name: str, key: object, callback: Callable[[ModuleType], None], *, now: bool = True) -> None:
+        """Run ``callback(module)`` every time ``name`` finishes importing; at once too if loaded and ``now``."""
+        with self._lock:
+            self._hooks.setdefault(name, {})[key] = callback
+        module = sys.modules.get(name)
+        if now and module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is False:
+            self._call(name, callback, module)
+
+    def unwatch(self, key: object, names: tuple[str, ...] | None = None) -> None:
+        """Drop the callbacks registered under ``key`` (for ``names``, or everywhere)."""
+        with self._lock:
+            for name in list(self._hooks) if names is None else names:
+                callbacks = self._hooks.get(name)
+                if callbacks is not None:
+                    callbacks.pop(key, None)
+                    if not callbacks:
+                        del self._hooks[name]
+
+    def watched(self, key: object | None = None) -> list[str]:
+        """The watched module names (that ``key`` watches, or any)."""
+        with self._lock:
+            return sorted(n for n, cbs in self._hooks.items() if key is None or key in cbs)
+
+    def fire(self, module: ModuleType) -> None:
+        name = getattr(module, "__name__", "")
+        with self._lock:
+            callbacks = list(self._hooks.get(name, {}).values())
+        for callback in callbacks:
+            self._call(name, callback, module)
+
+    @staticmethod
+    def _call(name: str, callback: Callable[[ModuleType], None], module: ModuleType) -> None:
+        try:
+            callback(module)
+        except Exception as exc:  # runs inside the user's import: report, never raise
+            warn(f"a hook on the import of {name} failed: {type(exc).__name__}: {exc}")
+
+    # -- the finder protocol -----------------------------------------------------------------------------
+
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
-        key = self.triggers.get(fullname)
-        if key is None:
+        if fullname not in self._hooks:
             return None
         token = (_thread.get_ident(), fullname)
         if token in self._busy:  # another finder called back into the import system: stay out of the way
@@ -129,52 +232,89 @@ class _TriggerFinder:
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module") or isinstance(loader, _HookLoader):
             return spec
-        spec.loader = _HookLoader(loader, key)  # type: ignore[union-attr]
+        spec.loader = _HookLoader(loader, self)  # type: ignore[union-attr]
         return spec
 
     def invalidate_caches(self) -> None:
         """Nothing cached here; present because importlib.invalidate_caches() calls it on every finder."""
 
 
-_FINDER: _TriggerFinder | None = None
+_HOOKS: ImportHooks | None = None
+_PTH_KEY = "fsdp-compat .pth"
+_source = {"value": None}  # which automatic path is importing an adapter right now (read by activation)
+
+
+def hooks() -> ImportHooks:
+    """The process's one engine, first in ``sys.meta_path`` (created on first use)."""
+    global _HOOKS
+    engine = _HOOKS
+    if engine is None:
+        engine = _HOOKS = ImportHooks()
+    if engine not in sys.meta_path:
+        sys.meta_path.insert(0, engine)
+    return engine
+
+
+def activation_source() -> str | None:
+    """``"pth-hook"`` while :func:`install`'s callback imports an adapter module, else None."""
+    return _source["value"]
+
+
+def _on_trigger(key: str) -> Callable[[ModuleType], None]:
+    def activate(module: ModuleType) -> None:
+        """Import the adapter and let it patch the distribution whose trigger just loaded; never raises."""
+        if not autoload_enabled():
+            return
+        trigger = getattr(module, "__name__", "?")
+        try:
+            entry = ADAPTERS[key]
+            previous, _source["value"] = _source["value"], "pth-hook"
+            try:
+                adapter_module = __import__(entry.module, fromlist=["ADAPTER"])
+            finally:
+                _source["value"] = previous
+            adapter = getattr(adapter_module, "ADAPTER", None)
+            on_trigger = getattr(adapter, "on_trigger", None)
+            if callable(on_trigger):  # the adapter is loaded already (say by verl's entry point): patch now
+                on_trigger(trigger, "pth-hook")
+        except Exception as exc:
+            warn(f"the {key} adapter could not be activated after importing {trigger}: {type(exc).__name__}: {exc}")
+
+    return activate
 
 
 def is_installed() -> bool:
-    """True when this process runs the start-up hook (the finder sits in ``sys.meta_path``)."""
-    return _FINDER is not None and _FINDER in sys.meta_path
+    """True when this process runs the start-up hook (its trigger watches sit in the engine)."""
+    return _HOOKS is not None and _HOOKS in sys.meta_path and any(_HOOKS.watched((_PTH_KEY, k)) for k in ADAPTERS)
 
 
 def install() -> bool:
-    """Install the trigger finder (what the .pth does); returns whether it is active. Never raises.
+    """Watch every adapter's trigger modules (what the .pth does); returns whether it is active. Never raises.
 
-    Calling it again re-reads :data:`ADAPTER_MODULES` (the finder stays the same object).
+    Calling it again re-reads :data:`ADAPTERS`. A trigger imported before this call is activated now.
     """
-    global _FINDER
     try:
         if not autoload_enabled():
             return False
-        triggers = _trigger_table()
-        if is_installed():
-            _FINDER.triggers = triggers  # type: ignore[union-attr]
-            return True
-        _FINDER = _TriggerFinder(triggers)
-        sys.meta_path.insert(0, _FINDER)
-        # A trigger imported before this call (a later, explicit install()) is activated now.
-        for trigger, key in triggers.items():
-            if trigger in sys.modules:
-                _activate(key, trigger)
+        engine = hooks()
+        for key, entry in ADAPTERS.items():
+            for trigger in entry.triggers:
+                engine.watch(trigger, (_PTH_KEY, key), _on_trigger(key))
         return True
     except Exception as exc:
-        _warn(f"start-up hook not installed: {type(exc).__name__}: {exc}")
+        warn(f"start-up hook not installed: {type(exc).__name__}: {exc}")
         return False
 
 
 def uninstall() -> None:
-    """Remove the trigger finder (tests, or a process that wants no automatic activation from now on)."""
-    global _FINDER
-    finder, _FINDER = _FINDER, None
-    if finder is not None:
+    """Drop the start-up hook's watches (tests, or a process that wants no .pth activation from now on)."""
+    engine = _HOOKS
+    if engine is None:
+        return
+    for key in ADAPTERS:
+        engine.unwatch((_PTH_KEY, key))
+    if not engine.watched():
         try:  # noqa: SIM105
-            sys.meta_path.remove(finder)
+            sys.meta_path.remove(engine)
         except ValueError:
             pass

@@ -1,32 +1,34 @@
 """``fsdp-compat doctor``: what is installed, what is supported, and what is patched in this process.
 
-Reads versions with importlib.metadata and never imports a framework, so it is safe to run anywhere (a login
-node, a Ray worker through ``ray.get(remote(report))``, a notebook mid-training).
+It reports without changing anything: versions come from importlib.metadata and the supported ranges from the
+adapter registry (:data:`fsdp_compat._autoload.ADAPTERS`); it never imports a framework or an adapter module (an
+adapter imported here would patch what it inspects). An adapter that is already loaded is asked for its state.
+Safe to run anywhere: a login node, a Ray worker through ``ray.get(remote(report))``, a notebook mid-training.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import site
 import sys
 from importlib import metadata
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from fsdp_compat import _autoload
-from fsdp_compat.activation import (
-    ADAPTER_MODULES,
+from fsdp_compat._autoload import (
+    ADAPTERS,
     ENV_AUTOLOAD,
     ENV_FORCE,
+    ENV_LOG,
     ENV_POLICY,
     ENV_SWITCH,
-    Adapter,
+    AdapterEntry,
     autoload_enabled,
     automatic_activation_enabled,
     force_enabled,
-    policy_from_env,
 )
 
 PTH_NAME = "fsdp_compat.pth"
@@ -71,46 +73,47 @@ def _activation_lines() -> list[str]:
     if not autoload_enabled():
         lines.append(f"  the .pth hook is off: {_env(ENV_AUTOLOAD)}, {_env(ENV_SWITCH)}")
     try:
+        from fsdp_compat.activation import policy_from_env  # imports no adapter
+
         policy = policy_from_env()
     except Exception as exc:
         policy = f"INVALID: {exc}"
     lines.append(f"policy: {policy} ({_env(ENV_POLICY)})")
     lines.append(f"force unsupported versions: {'yes' if force_enabled() else 'no'} ({_env(ENV_FORCE)})")
+    lines.append(f"log: {'quiet (INFO lines dropped)' if _autoload.quiet() else 'info'} ({_env(ENV_LOG)})")
     return lines
 
 
-def _installed_versions(adapter: Adapter) -> list[str]:
-    lines = []
-    for distribution in adapter.supported:
-        try:
-            raw = metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            lines.append(f"  {distribution}: not installed")
-            continue
-        try:
-            verdict = "supported" if adapter.is_supported(distribution, Version(raw)) else "NOT supported"
-        except InvalidVersion:
-            verdict = "invalid version"
-        lines.append(f"  {distribution} {raw}: {verdict} (supported: {adapter.supported[distribution]})")
-    return lines
-
-
-def _adapter_lines(key: str, module_name: str, triggers: tuple[str, ...]) -> list[str]:
-    lines = [f"{key} adapter ({module_name}; activates on import of {', '.join(triggers)})"]
+def _distribution_line(distribution: str, spec: str, trigger: str, patched: dict[str, tuple]) -> str:
     try:
-        module = importlib.import_module(module_name)
-        adapter = module.ADAPTER
-    except Exception as exc:
-        return [*lines, f"  adapter not importable: {type(exc).__name__}: {exc}"]
-    lines += _installed_versions(adapter)
-    loaded = [t for t in triggers if t in sys.modules]
-    if adapter.is_patched():
-        lines.append(f"  patched in this process (activated by {adapter.activated_by}):")
-        lines += [f"    {line}" for line in adapter.describe()]
-    elif loaded:
-        lines.append(f"  NOT patched in this process, although {', '.join(loaded)} is imported")
+        raw = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return f"  {distribution}: not installed"
+    try:
+        verdict = "supported" if SpecifierSet(spec).contains(Version(raw), prereleases=True) else "NOT supported"
+    except InvalidVersion:
+        verdict = "invalid version"
+    line = f"  {distribution} {raw}: {verdict} (supported: {spec})"
+    if distribution in patched:
+        _, activated_by, policy = patched[distribution]
+        return f"{line}; patched in this process (policy {policy}, activated by {activated_by})"
+    if trigger in sys.modules:
+        return f"{line}; NOT patched in this process, although {trigger} is imported"
+    return f"{line}; not imported in this process"
+
+
+def _adapter_lines(key: str, entry: AdapterEntry) -> list[str]:
+    triggers = ", ".join(entry.triggers)
+    lines = [f"{key} adapter ({entry.module}; activates on import of {triggers})"]
+    module = sys.modules.get(entry.module)  # never imported here: importing an adapter activates it
+    adapter = getattr(module, "ADAPTER", None)
+    patched = adapter.patched() if adapter is not None else {}
+    for distribution, (trigger, spec) in entry.distributions.items():
+        lines.append(_distribution_line(distribution, spec, trigger, patched))
+    if adapter is None:
+        lines.append("  adapter not loaded in this process")
     else:
-        lines.append("  not patched in this process (the framework is not imported here)")
+        lines += [f"    {line}" for line in adapter.describe()]
     return lines
 
 
@@ -123,6 +126,6 @@ def report() -> str:
         f"python {sys.version.split()[0]} at {sys.executable}",
         *_activation_lines(),
     ]
-    for key, (module_name, triggers) in ADAPTER_MODULES.items():
-        lines += _adapter_lines(key, module_name, triggers)
+    for key, entry in ADAPTERS.items():
+        lines += _adapter_lines(key, entry)
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The activation machinery on throwaway modules (not a framework stand-in: the adapters' own tests use the
 real verl / SkyRL wheels). Each test writes a fresh package ``fakefw_<n>`` with a definer (``utils.fn``) and
-modules that bind ``fn`` by name, so identities, late imports and threads can be checked exactly.
+modules that bind ``fn`` by name, so identities, late imports and threads can be checked exactly; its adapter
+gets a row in the registry for the duration of the test.
 """
 
 from __future__ import annotations
@@ -20,18 +21,22 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-import wrapt
 from packaging.version import Version
 
 from fsdp_compat import _autoload, activation
+from fsdp_compat._autoload import AdapterEntry
 from fsdp_compat.activation import (
     Adapter,
     FsdpCompatWarning,
+    Reexport,
     Replacement,
     activate_on_import,
     policy_from_env,
 )
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.patching import Patch
+
+wrapt = pytest.importorskip("wrapt")  # only for the interplay with other wrappers (a test dependency)
 
 REPO = Path(__file__).resolve().parents[1]
 _counter = itertools.count()
@@ -86,10 +91,16 @@ class FakeFramework:
         # binds fn by name but is not declared as an importer: restored by unpatch's sweep
         _write(base / "stranger.py", f"from {self.pkg}.utils import fn\n")
 
+        self.key = f"fake-{self.pkg}"
+        entry = AdapterEntry(f"{self.pkg}_adapter", {"fakefw": (f"{self.pkg}.utils", ">=1.0,<2")})
+        _autoload.ADAPTERS[self.key] = entry
+
     def mod(self, suffix: str) -> Any:
         return importlib.import_module(f"{self.pkg}.{suffix}")
 
     def cleanup(self) -> None:
+        _autoload.ADAPTERS.pop(self.key, None)
+        _autoload.hooks().unwatch(("fsdp-compat adapter", self.key))
         for name in [m for m in sys.modules if m == self.pkg or m.startswith(self.pkg + ".")]:
             del sys.modules[name]
 
@@ -104,7 +115,7 @@ def fw(tmp_path: Path) -> Any:
     sys.path.remove(str(tmp_path))
 
 
-def tag(original: Any) -> Any:
+def tag(original: Any, policy: str = "auto") -> Any:
     @functools.wraps(original)
     def patched(x: Any) -> Any:
         return ("patched", original(x))
@@ -113,38 +124,35 @@ def tag(original: Any) -> Any:
 
 
 class FakeAdapter(Adapter):
-    name = "fake"
-    supported: ClassVar[dict[str, str]] = {"fakefw": ">=1.0,<2"}
-
     def __init__(self, fw: FakeFramework, version: str | None = "1.5", *, fail_second: bool = False) -> None:
         super().__init__()
+        self.key = fw.key  # type: ignore[misc]
         self.fw = fw
         self.fake_version = version
         self.fail_second = fail_second
-        self.trigger_modules = (f"{fw.pkg}.utils",)
         self.make_calls = 0
         self.make_delay = 0.0
 
-    def installed(self) -> tuple[str, Version] | None:
-        return None if self.fake_version is None else ("fakefw", Version(self.fake_version))
+    def version_of(self, distribution: str) -> Version | None:
+        return None if self.fake_version is None else Version(self.fake_version)
 
     def policy(self) -> str:
         return "auto"
 
-    def _make(self, original: Any) -> Any:
+    def _make(self, original: Any, policy: str) -> Any:
         self.make_calls += 1
         time.sleep(self.make_delay)  # widens the window in which racing patch() calls could double-apply
         return tag(original)
 
-    def plan_patches(self, distribution: str, version: Version) -> list[Replacement]:
+    def plan(self, distribution: str, version: Version) -> Patch:
         reps = [Replacement(f"{self.fw.pkg}.utils", "fn", self._make, tuple(self.fw.importer_names))]
         if self.fail_second:
 
-            def broken(original: Any) -> Any:
+            def broken(original: Any, policy: str) -> Any:
                 raise RuntimeError("second replacement failed on purpose")
 
             reps.append(Replacement(f"{self.fw.pkg}.utils", "helper", broken, tuple(self.fw.importer_names)))
-        return reps
+        return Patch(tuple(reps))
 
 
 # ----------------------------------------------------------------------------------------------- patch basics
@@ -167,7 +175,7 @@ def test_patch_is_idempotent_and_unpatch_restores_identity(fw: FakeFramework) ->
     imp1 = fw.mod("imp1")  # imported after the patch: gets the replacement through the definer
     stranger = fw.mod("stranger")
     assert imp1.fn is replacement and stranger.fn is replacement
-    assert f"{fw.pkg}.imp1.fn -> fsdp_compat (policy auto)" in adapter.describe()
+    assert f"{fw.pkg}.imp1.fn -> fsdp-compat (policy auto)" in adapter.describe()
 
     adapter.unpatch()
     adapter.unpatch()  # idempotent too
@@ -317,12 +325,14 @@ def test_missing_distribution_is_reported_not_guessed(
         assert adapter.patch() is False
 
 
-def test_default_installed_reads_metadata() -> None:
-    class PackagingAdapter(Adapter):
-        name = "packaging-probe"
-        supported: ClassVar[dict[str, str]] = {"definitely-not-installed-xyz": ">=1", "packaging": ">=1"}
+def test_default_installed_reads_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = AdapterEntry("unused", {"definitely-not-installed-xyz": ("x.y", ">=1"), "packaging": ("p.q", ">=1")})
+    monkeypatch.setitem(_autoload.ADAPTERS, "packaging-probe", entry)
 
-    dist, version = PackagingAdapter().installed()  # type: ignore[misc]
+    class PackagingAdapter(Adapter):
+        key: ClassVar[str] = "packaging-probe"
+
+    ((dist, version),) = PackagingAdapter().installed()
     assert dist == "packaging" and version >= Version("21")
 
 
@@ -376,7 +386,7 @@ def test_wrapper_added_after_the_patch_is_left_in_place(fw: FakeFramework, caplo
         adapter.unpatch()
     assert utils.fn is late  # theirs stays; nothing breaks
     assert utils.fn(1) == ("late", ("patched", ("orig", 1)))
-    assert "replaced again after fsdp_compat patched it" in caplog.text
+    assert "replaced again after fsdp-compat patched it" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------- all or nothing
@@ -399,11 +409,13 @@ def test_failed_second_replacement_rolls_back_everything(fw: FakeFramework) -> N
 
 def test_missing_target_name_is_a_clear_error(fw: FakeFramework) -> None:
     class Missing(FakeAdapter):
-        def plan_patches(self, distribution: str, version: Version) -> list[Replacement]:
-            return [
-                Replacement(f"{self.fw.pkg}.utils", "fn", tag),
-                Replacement(f"{self.fw.pkg}.utils", "no_such_name", tag),
-            ]
+        def plan(self, distribution: str, version: Version) -> Patch:
+            return Patch(
+                (
+                    Replacement(f"{self.fw.pkg}.utils", "fn", tag),
+                    Replacement(f"{self.fw.pkg}.utils", "no_such_name", tag),
+                )
+            )
 
     utils = fw.mod("utils")
     fn = utils.fn
@@ -514,10 +526,11 @@ def test_logs_once_what_was_patched(fw: FakeFramework, caplog: Any) -> None:
 
 
 def _run(
-    code: str, env: dict[str, str] | None = None, path: Path | None = None
+    code: str, env: dict[str, str] | None = None, path: Path | None = None, *, installed: bool = False
 ) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter; ``installed``: the installed package (adapters exist only there), else the checkout."""
     full_env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    pythonpath = [str(REPO)] + ([str(path)] if path else [])
+    pythonpath = ([] if installed else [str(REPO)]) + ([str(path)] if path else [])
     full_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     full_env.update(env or {})
     return subprocess.run(
@@ -532,23 +545,23 @@ def _run(
 
 FAKE_ADAPTER = """
 from packaging.version import Version
-from fsdp_compat.activation import Adapter, Replacement, activate_on_import
+from fsdp_compat._autoload import ADAPTERS, AdapterEntry
+from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import
 
-def _make(original):
+ADAPTERS.setdefault("fake", AdapterEntry(__name__, {{"fakefw": ("{pkg}.utils", ">=1")}}))
+
+def _make(original, policy):
     def patched(x):
         return ("patched", original(x))
     return patched
 
 class FakeAdapter(Adapter):
-    name = "fake"
-    supported = {{"fakefw": ">=1"}}
-    trigger_modules = ("{pkg}.utils",)
-    def installed(self):
-        return "fakefw", Version("1.0")
+    key = "fake"
+    releases = (Release(">=1", (Replacement("{pkg}.utils", "fn", _make, ("{pkg}.imp0",)),)),)
+    def version_of(self, distribution):
+        return Version("1.0")
     def policy(self):
         return "auto"
-    def plan_patches(self, distribution, version):
-        return [Replacement("{pkg}.utils", "fn", _make, ("{pkg}.imp0",))]
 
 ADAPTER = FakeAdapter()
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
@@ -560,6 +573,11 @@ def _fake_adapter_module(fw: FakeFramework) -> str:
     name = f"{fw.pkg}_adapter"
     _write(fw.root / f"{name}.py", FAKE_ADAPTER.format(pkg=fw.pkg))
     return name
+
+
+def _register(fw: FakeFramework, module: str) -> str:
+    """Code that gives the fake adapter its registry row before install() (as a real row in _autoload does)."""
+    return f"a.ADAPTERS['fake'] = a.AdapterEntry({module!r}, {{'fakefw': ('{fw.pkg}.utils', '>=1')}})"
 
 
 def test_default_handler_prints_to_stderr_once_and_quiet_silences(fw: FakeFramework) -> None:
@@ -575,15 +593,28 @@ def test_default_handler_prints_to_stderr_once_and_quiet_silences(fw: FakeFramew
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "patched fakefw" in line]
     assert len(lines) == 1 and "INFO" in lines[0] and "activated by import" in lines[0], done.stderr
+    assert lines[0].startswith("fsdp-compat: patched fakefw 1.0"), lines
     quiet = _run(code, env={"FSDP_COMPAT_LOG": "quiet"}, path=fw.root)
     assert quiet.returncode == 0 and "patched fakefw" not in quiet.stderr, quiet.stderr
-    # an application with its own logging config sees the record once, through its handler
+    # an application with its own logging config sees the record once, through its handler, package named
     configured = _run(
         "import logging; logging.basicConfig(format='APP %(message)s')\n" + textwrap.dedent(code),
         path=fw.root,
     )
     app_lines = [line for line in configured.stderr.splitlines() if "patched fakefw" in line]
-    assert len(app_lines) == 1 and app_lines[0].startswith("APP "), configured.stderr
+    assert len(app_lines) == 1 and app_lines[0].startswith("APP fsdp-compat: patched fakefw"), configured.stderr
+
+
+def test_every_record_and_warning_names_the_package(fw: FakeFramework, caplog: Any) -> None:
+    """Whatever handler formats them (verl's, Ray's: they print only the message), the package is in the text."""
+    adapter = FakeAdapter(fw, version="2.5")
+    with caplog.at_level(logging.DEBUG, logger="fsdp_compat"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        activation.logger.debug("a debug line %s", 1)
+        activation.logger.warning("a warning line")
+        adapter.patch(activated_by="import")
+    assert caplog.records and all(r.getMessage().startswith("fsdp-compat: ") for r in caplog.records)
+    assert caught and all(str(w.message).startswith("fsdp-compat: ") for w in caught), caught
 
 
 # ------------------------------------------------------------------------------------------- _autoload
@@ -596,11 +627,11 @@ def test_autoload_imports_nothing_and_honours_switches(monkeypatch: pytest.Monke
         before = set(sys.modules)
         import fsdp_compat._autoload as a
         new = set(sys.modules) - before
-        heavy = {"torch", "wrapt", "packaging", "logging", "inspect", "asyncio", "importlib.metadata",
-                 "threading", "fsdp_compat.activation", "verl", "skyrl", "skyrl_train"}
+        heavy = {"torch", "wrapt", "packaging", "logging", "inspect", "asyncio", "importlib.metadata", "typing",
+                 "threading", "fsdp_compat.activation", "fsdp_compat.patching", "verl", "skyrl", "skyrl_train"}
         assert not new & heavy, sorted(new & heavy)
         assert a.install() and a.is_installed() and a.install()
-        assert sum(isinstance(f, a._TriggerFinder) for f in sys.meta_path) == 1
+        assert sum(isinstance(f, a.ImportHooks) for f in sys.meta_path) == 1
         a.uninstall(); assert not a.is_installed()
         """
     )
@@ -613,13 +644,49 @@ def test_autoload_imports_nothing_and_honours_switches(monkeypatch: pytest.Monke
         assert done.returncode == 0, (env, done.stderr)
 
 
-def test_registry_matches_the_contract() -> None:
-    assert activation.ADAPTER_MODULES is _autoload.ADAPTER_MODULES
-    assert activation.ADAPTER_MODULES["verl"] == ("fsdp_compat.adapters.verl", ("verl.utils.fsdp_utils",))
-    assert activation.ADAPTER_MODULES["skyrl"] == (
+def test_no_import_cycle_and_one_hook_engine() -> None:
+    """_autoload imports nothing of fsdp-compat; activation and patching import _autoload, never the reverse.
+    Once an adapter is loaded and patched, one finder of ours sits in sys.meta_path and wrapt is not loaded."""
+    import ast
+
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        return found | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    package = Path(_autoload.__file__).parent
+    assert not {m for m in imports(package / "_autoload.py") if m.startswith("fsdp_compat")}
+    assert "fsdp_compat._autoload" in imports(package / "activation.py")
+    assert "fsdp_compat._autoload" in imports(package / "patching.py")
+    assert "fsdp_compat.activation" not in imports(package / "patching.py")
+    done = _run(
+        """
+        import sys
+        import fsdp_compat._autoload as a
+        a.install()
+        import fsdp_compat.adapters.skyrl, fsdp_compat.adapters.verl
+        finders = [f for f in sys.meta_path if type(f).__module__.startswith(("fsdp_compat", "wrapt"))]
+        assert finders == [a.hooks()], finders
+        assert "wrapt" not in sys.modules
+        print("OK")
+        """,
+        installed=True,
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr
+
+
+def test_registry_is_the_one_home_of_triggers_and_ranges() -> None:
+    """Oracle written independently of the registry, on purpose (FACTS.md sections 4 and 5)."""
+    from fsdp_compat.adapters import skyrl, verl
+
+    assert _autoload.adapter_modules()["verl"] == ("fsdp_compat.adapters.verl", ("verl.utils.fsdp_utils",))
+    assert _autoload.adapter_modules()["skyrl"] == (
         "fsdp_compat.adapters.skyrl",
         ("skyrl_train.distributed.fsdp_utils", "skyrl.backends.skyrl_train.distributed.fsdp_utils"),
     )
+    assert verl.SUPPORTED == {"verl": ">=0.4.0,<0.10.0a0"} and verl.ADAPTER.supported is not None
+    assert skyrl.SUPPORTED == {"skyrl-train": ">=0.1.0,<0.4", "skyrl": ">=0.1.0,<0.5"}
+    assert verl.ADAPTER.trigger_modules == ("verl.utils.fsdp_utils",)
 
 
 def test_trigger_finder_activates_the_adapter_in_a_fresh_interpreter(fw: FakeFramework) -> None:
@@ -627,7 +694,7 @@ def test_trigger_finder_activates_the_adapter_in_a_fresh_interpreter(fw: FakeFra
     code = f"""
         import sys
         import fsdp_compat._autoload as a
-        a.ADAPTER_MODULES["fake"] = ("{adapter_module}", ("{fw.pkg}.utils",))
+        {_register(fw, adapter_module)}
         assert a.install()
         import {fw.pkg}.imp0 as imp0           # imports the trigger {fw.pkg}.utils
         adapter = sys.modules["{adapter_module}"].ADAPTER
@@ -658,7 +725,7 @@ def test_trigger_finder_activates_the_adapter_in_a_fresh_interpreter(fw: FakeFra
 def test_trigger_finder_survives_a_broken_adapter(fw: FakeFramework) -> None:
     code = f"""
         import fsdp_compat._autoload as a
-        a.ADAPTER_MODULES["fake"] = ("no_such_adapter_module_xyz", ("{fw.pkg}.utils",))
+        {_register(fw, "no_such_adapter_module_xyz")}
         assert a.install()
         import {fw.pkg}.utils as utils
         assert utils.fn(1) == ("orig", 1)
@@ -666,7 +733,7 @@ def test_trigger_finder_survives_a_broken_adapter(fw: FakeFramework) -> None:
     """
     done = _run(code, path=fw.root)
     assert done.returncode == 0 and "IMPORTED" in done.stdout, done.stderr
-    assert "the fake adapter could not be activated after importing" in done.stderr
+    assert "fsdp-compat: the fake adapter could not be activated after importing" in done.stderr
     assert "no_such_adapter_module_xyz" in done.stderr
 
 
@@ -675,7 +742,7 @@ def test_trigger_finder_with_concurrent_imports_from_threads(fw: FakeFramework) 
     code = f"""
         import importlib, sys, threading
         import fsdp_compat._autoload as a
-        a.ADAPTER_MODULES["fake"] = ("{adapter_module}", ("{fw.pkg}.utils",))
+        {_register(fw, adapter_module)}
         a.install()
         barrier = threading.Barrier(8); errors = []
         def go(name):
@@ -701,15 +768,15 @@ def test_trigger_finder_with_concurrent_imports_from_threads(fw: FakeFramework) 
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
 
 
-def test_pth_finder_and_wrapt_hook_together_patch_once(fw: FakeFramework) -> None:
-    """Adapter imported first (entry point / explicit import) and the .pth finder both watch the trigger."""
+def test_pth_hook_and_adapter_import_together_patch_once(fw: FakeFramework) -> None:
+    """Adapter imported first (entry point / explicit import) and the .pth hook both watch the trigger."""
     adapter_module = _fake_adapter_module(fw)
     code = f"""
         import sys
         import fsdp_compat._autoload as a
-        a.ADAPTER_MODULES["fake"] = ("{adapter_module}", ("{fw.pkg}.utils",))
+        {_register(fw, adapter_module)}
         assert a.install()
-        import {adapter_module} as m          # registers a wrapt post-import hook for the trigger
+        import {adapter_module} as m          # watches the trigger itself
         assert not m.is_patched()
         import {fw.pkg}.imp0 as imp0
         assert m.is_patched() and imp0.call(1) == ("patched", ("orig", 1))
@@ -723,6 +790,102 @@ def test_pth_finder_and_wrapt_hook_together_patch_once(fw: FakeFramework) -> Non
     assert sum("patched fakefw" in line for line in done.stderr.splitlines()) == 1, done.stderr
 
 
+# ------------------------------------------------------------------------------ distributions and repairs
+
+
+class TwoDistributions(Adapter):
+    """One adapter, two distributions (as skyrl-train and skyrl): each trigger is its own transaction."""
+
+    def __init__(self, first: FakeFramework, second: FakeFramework) -> None:
+        super().__init__()
+        self.key = first.key  # type: ignore[misc]
+        _autoload.ADAPTERS[self.key] = AdapterEntry(
+            "unused", {"fw-a": (f"{first.pkg}.utils", ">=1"), "fw-b": (f"{second.pkg}.utils", ">=1")}
+        )
+        self.releases = tuple(  # type: ignore[misc]
+            activation.Release(">=1", (Replacement(f"{f.pkg}.utils", "fn", tag, tuple(f.importer_names)),), (), d)
+            for d, f in (("fw-a", first), ("fw-b", second))
+        )
+
+    def version_of(self, distribution: str) -> Version | None:
+        return Version("1.0")
+
+    def policy(self) -> str:
+        return "auto"
+
+
+@pytest.mark.parametrize("order", ["a-first", "b-first"])
+def test_each_distribution_is_patched_when_its_trigger_loads(tmp_path: Path, caplog: Any, order: str) -> None:
+    sys.path.insert(0, str(tmp_path))
+    first, second = FakeFramework(tmp_path), FakeFramework(tmp_path)
+    adapter = TwoDistributions(first, second)
+    try:
+        with caplog.at_level(logging.INFO, logger="fsdp_compat"):
+            activate_on_import(adapter, source="import")
+            assert not adapter.is_patched()
+            frameworks = [first, second] if order == "a-first" else [second, first]
+            frameworks[0].mod("imp0")
+            assert adapter.is_patched() and len(adapter.patched()) == 1
+            frameworks[1].mod("imp0")
+        assert set(adapter.patched()) == {"fw-a", "fw-b"}
+        for f in (first, second):
+            assert f.mod("imp0").call(1) == ("patched", ("orig", 1)), f.pkg
+        logged = [r.getMessage() for r in caplog.records if "patched fw-" in r.getMessage()]
+        assert len(logged) == 2 and {m.split()[2] for m in logged} == {"fw-a", "fw-b"}, logged
+        adapter.unpatch()
+        assert first.mod("imp0").call(1) == ("orig", 1) and second.mod("imp0").call(1) == ("orig", 1)
+    finally:
+        _autoload.ADAPTERS.pop(first.key, None)
+        _autoload.hooks().unwatch(("fsdp-compat adapter", first.key))
+        first.cleanup()
+        second.cleanup()
+        sys.path.remove(str(tmp_path))
+
+
+def test_repair_is_part_of_the_transaction(fw: FakeFramework) -> None:
+    """A re-export repair is applied with the replacements, rolled back with them, undone by unpatch."""
+    utils = fw.mod("utils")
+    repair = Reexport(f"{fw.pkg}.utils", "Restored", "collections:OrderedDict", why="test")
+
+    class Repairing(FakeAdapter):
+        def plan(self, distribution: str, version: Version) -> Patch:
+            return Patch(super().plan(distribution, version).replacements, (repair,))
+
+    failing = Repairing(fw, fail_second=True)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        failing.patch()
+    assert not hasattr(utils, "Restored")  # rolled back together with the replacements
+    adapter = Repairing(fw)
+    assert adapter.patch()
+    import collections
+
+    assert utils.Restored is collections.OrderedDict
+    assert any("Restored re-exported from collections:OrderedDict (test)" in line for line in adapter.describe())
+    adapter.unpatch()
+    assert not hasattr(utils, "Restored")
+
+
+def test_deferred_replacement_waits_for_its_module(fw: FakeFramework) -> None:
+    """A replacement in a module the framework imports late (verl's model code) is applied when it loads."""
+
+    class Deferred(FakeAdapter):
+        def plan(self, distribution: str, version: Version) -> Patch:
+            late = Replacement(f"{self.fw.pkg}.imp1", "call", lambda original, policy: tag(original), deferred=True)
+            return Patch((*super().plan(distribution, version).replacements, late))
+
+    adapter = Deferred(fw)
+    adapter.patch()
+    assert f"{fw.pkg}.imp1" not in sys.modules
+    assert any("deferred" in line for line in adapter.describe())
+    imp1 = fw.mod("imp1")
+    assert imp1.call(2) == ("patched", ("patched", ("orig", 2)))
+    adapter.unpatch()
+    assert imp1.call(2) == ("orig", 2)
+
+
+# ---------------------------------------------------------------------------------------------------- doctor
+
+
 def test_doctor_report_names_switches_and_every_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsdp_compat.doctor import report
 
@@ -732,5 +895,22 @@ def test_doctor_report_names_switches_and_every_adapter(monkeypatch: pytest.Monk
     assert "automatic activation: on (FSDP_COMPAT unset)" in text
     assert "the .pth hook is off: FSDP_COMPAT_AUTOLOAD=0" in text
     assert "policy: INVALID: FSDP_COMPAT_POLICY='nonsense' is not a policy name" in text
-    for key, (module, _) in activation.ADAPTER_MODULES.items():
+    for key, (module, _) in _autoload.adapter_modules().items():
         assert f"{key} adapter ({module}; activates on import of" in text
+
+
+def test_doctor_reports_without_patching() -> None:
+    """doctor imports no adapter and no framework: inspecting never changes what it inspects."""
+    done = _run(
+        """
+        import sys
+        from fsdp_compat.doctor import report
+        text = report()
+        loaded = sorted(m for m in sys.modules if m.startswith(("fsdp_compat.adapters.", "verl", "skyrl")))
+        assert loaded == [], loaded
+        print(text)
+        """,
+        installed=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "adapter not loaded in this process" in done.stdout

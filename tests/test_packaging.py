@@ -2,7 +2,8 @@
 
 Builds the wheel (and an editable wheel) from a copy of the source tree and installs each into a throwaway
 venv made with ``--without-pip``; pip runs from this interpreter (``pip --python``), with PYTHONPATH removed.
-wrapt and packaging come from this interpreter's site-packages through a plain path line: no download.
+packaging (the one pure-Python dependency the adapters need) comes from this interpreter's site-packages through a
+plain path line: no download.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import packaging
 import pytest
-import wrapt
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("fsdp_compat", "adapters", "src_pth", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md")
@@ -61,10 +61,10 @@ def _venv(path: Path, wheel: Path) -> Path:
             env=CLEAN_ENV,
         ).stdout.strip()
     )
-    # Copies of wrapt and packaging from this interpreter, on a plain path entry. Not this interpreter's whole
+    # A copy of packaging from this interpreter, on a plain path entry. Not this interpreter's whole
     # site-packages: under tox that holds an installed fsdp_compat, which would shadow the one under test.
     deps = path / "test-deps"
-    for package in (wrapt, packaging):
+    for package in (packaging,):
         source = Path(package.__file__).parent
         shutil.copytree(source, deps / source.name, ignore=shutil.ignore_patterns("__pycache__"))
     (site_dir / "zz_test_deps.pth").write_text(f"{deps}\n")
@@ -179,18 +179,15 @@ def test_pth_hook_activates_an_adapter_when_its_trigger_is_imported(venv: Path, 
         textwrap.dedent(
             """
             from packaging.version import Version
-            from fsdp_compat.activation import Adapter, Replacement, activate_on_import
+            from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import
 
             class HookAdapter(Adapter):
-                name = "hook"
-                supported = {"hookfw": ">=1"}
-                trigger_modules = ("hookfw.utils",)
-                def installed(self):
-                    return "hookfw", Version("1.0")
+                key = "hook"
+                releases = (Release(">=1", (Replacement("hookfw.utils", "fn", lambda o, p: (lambda: "patched")),)),)
+                def version_of(self, distribution):
+                    return Version("1.0")
                 def policy(self):
                     return "auto"
-                def plan_patches(self, distribution, version):
-                    return [Replacement("hookfw.utils", "fn", lambda original: (lambda: "patched"))]
 
             ADAPTER = HookAdapter()
             activate_on_import(ADAPTER)
@@ -202,8 +199,8 @@ def test_pth_hook_activates_an_adapter_when_its_trigger_is_imported(venv: Path, 
         sys.path.insert(0, {str(tmp_path)!r})
         import fsdp_compat._autoload as a
         assert a.is_installed(), "the .pth did not install the hook"
-        a.ADAPTER_MODULES["hook"] = ("hookfw_adapter", ("hookfw.utils",))
-        a._FINDER.triggers["hookfw.utils"] = "hook"
+        a.ADAPTERS["hook"] = a.AdapterEntry("hookfw_adapter", {{"hookfw": ("hookfw.utils", ">=1")}})
+        a.install()  # re-reads the registry (a real adapter's row is in _autoload from the start)
         assert "hookfw_adapter" not in sys.modules
         from hookfw.utils import fn
         adapter = sys.modules["hookfw_adapter"].ADAPTER
@@ -212,7 +209,7 @@ def test_pth_hook_activates_an_adapter_when_its_trigger_is_imported(venv: Path, 
     done = _py(venv, code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "patched pth-hook"
-    assert "patched hookfw 1.0 (policy auto, activated by pth-hook): hookfw.utils.fn" in done.stderr
+    assert "fsdp-compat: patched hookfw 1.0 (policy auto, activated by pth-hook): hookfw.utils.fn" in done.stderr
 
 
 def test_broken_install_never_breaks_the_interpreter(built: dict[str, Path], tmp_path: Path) -> None:
@@ -225,7 +222,7 @@ def test_broken_install_never_breaks_the_interpreter(built: dict[str, Path], tmp
     # one line per processing of the .pth (a Linux venv lists its site-packages twice, via the lib64 link)
     lines = done.stderr.splitlines()
     assert lines and set(lines) == {
-        "fsdp_compat: start-up hook off: RuntimeError('simulated broken install')"
+        "fsdp-compat: start-up hook off: RuntimeError('simulated broken install')"
     }
     shutil.rmtree(site_dir / "fsdp_compat")  # package gone, .pth left behind: silent
     done = _py(python, "print('alive')")

@@ -54,11 +54,11 @@ def test_placeholder_and_future_releases_are_not(distribution: str, version: str
 
 
 def test_trigger_modules_match_the_registry() -> None:
-    from fsdp_compat.activation import ADAPTER_MODULES
+    from fsdp_compat._autoload import adapter_modules
 
-    module, triggers = ADAPTER_MODULES["skyrl"]
+    module, triggers = adapter_modules()["skyrl"]
     assert module == "fsdp_compat.adapters.skyrl"
-    assert set(triggers) == set(SkyRLAdapter.trigger_modules) == {f"{p}.fsdp_utils" for p in PACKAGES.values()}
+    assert set(triggers) == set(SkyRLAdapter().trigger_modules) == {f"{p}.fsdp_utils" for p in PACKAGES.values()}
     assert set(SUPPORTED) == set(PACKAGES)
 
 
@@ -183,8 +183,8 @@ class _StandIn:
 
 def _adapter(distribution: str, version: str) -> SkyRLAdapter:
     class Pinned(SkyRLAdapter):
-        def installed(self) -> tuple[str, Version]:
-            return distribution, Version(version)
+        def version_of(self, name: str) -> Version | None:
+            return Version(version) if name == distribution else None
 
     return Pinned()
 

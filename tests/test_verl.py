@@ -284,8 +284,8 @@ def test_unsupported_version_warns_and_patches_nothing(fake: str) -> None:
         from fsdp_compat.adapters.verl import VerlAdapter
         before = dict(vars(utils))
         class Fake(VerlAdapter):
-            def installed(self):
-                return "verl", Version("{fake}")
+            def version_of(self, distribution):
+                return Version("{fake}")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ok = Fake().patch(activated_by="import")
