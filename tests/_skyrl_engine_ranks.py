@@ -25,10 +25,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _skyrl_ranks  # noqa: F401  (Python 3.11 TypedDict workaround before SkyRL is imported)
-
 from fsdp_compat.testing.harness import RankResult, _Diff, _fsdp_group_paths, _full
 from fsdp_compat.testing.skyrl_smoke import _PACKAGES, installed_skyrl, probe
+
+#: Whether anything imported fsdp_compat's SkyRL adapter before this module (and with it SkyRL) loaded.
+ADAPTER_BEFORE_SKYRL = "fsdp_compat.adapters.skyrl" in sys.modules
+
+import _skyrl_ranks  # noqa: E402, F401  (Python 3.11 TypedDict workaround; may import SkyRL)
 
 #: Where each distribution keeps HFModelWrapper and the PPO loss registry.
 _WRAPPER = {"skyrl": "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl-train": "skyrl_train.model_wrapper"}
@@ -207,13 +210,12 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    adapter_before = "fsdp_compat.adapters.skyrl" in sys.modules
     distribution, version = installed_skyrl() or ("", "")
     cfg["distribution"] = distribution
     strategy = importlib.import_module(f"{_PACKAGES[distribution]}.fsdp_strategy")
     extra.update(
         release=f"{distribution} {version}",
-        adapter_imported_before_skyrl=adapter_before,
+        adapter_imported_before_skyrl=ADAPTER_BEFORE_SKYRL,
         strategy_apply_fsdp2_patched=bool(getattr(strategy.apply_fsdp2, "__fsdp_compat__", False)),
         fsdp_compat_env=os.environ.get("FSDP_COMPAT"),
     )

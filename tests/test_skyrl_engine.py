@@ -70,7 +70,7 @@ NO_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
 STEPS = 2
 #: Every rank: .pth patching off or on, and skyrl-train 0.3.1's missing re-export repaired test-side so that
 #: its fsdp_strategy imports without the adapter (``tests/_skyrl_ranks.py``).
-BASE_ENV = {"PYTHONPATH": RANK_PATH, "FSDP_COMPAT_TEST_REPAIR_MPP": "1"}
+BASE_ENV = {"FSDP_COMPAT_TEST_REPAIR_MPP": "1"}
 
 pytestmark = [pytest.mark.skyrl]
 
@@ -98,10 +98,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return paths
 
 
+def _rank_path() -> str:
+    """The rank modules first, then the caller's PYTHONPATH (no empty entry: that would put the working
+    directory, a source checkout, ahead of the installed wheel)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([RANK_PATH, *inherited])
+
+
 def _run(body: str, cfg: dict[str, Any], *, world_size: int = 2, **env: str) -> RunResult:
-    result = run_ranks(
-        f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=240, env={**BASE_ENV, **env}
-    )
+    env = {**BASE_ENV, "PYTHONPATH": _rank_path(), **env}
+    result = run_ranks(f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=240, env=env)
     outcome = "ok" if result.ok else result.exception
     print(f"{RELEASE} {body} {cfg.get('model', '')} {env}: {outcome} ({result.seconds:.1f}s)")
     return result
@@ -229,8 +235,7 @@ def test_ray_actors_crash_unpatched_then_train_patched(monkeypatch: pytest.Monke
 
     from fsdp_compat.testing.harness import _free_port
 
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([RANK_PATH, *inherited]))
+    monkeypatch.setenv("PYTHONPATH", _rank_path())
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("FSDP_COMPAT", raising=False)
     common = {"FSDP_COMPAT_TEST_REPAIR_MPP": "1", ENV_CONFIG: "explicit"}
