@@ -10,7 +10,7 @@ import importlib
 import sys
 import time
 
-NAMES = ("skeletons", "startup", "policies")
+NAMES = ("skeletons", "startup", "policies", "guard")
 
 
 def main(argv: list[str] | None = None) -> int:

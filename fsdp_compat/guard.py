@@ -169,8 +169,8 @@ class Guard:
         self._in_final_callback = False
         self._broken = False
         self._handles = [
-            model.register_forward_pre_hook(self._pre_forward),
-            model.register_forward_hook(self._post_forward, always_call=True),
+            model.register_forward_pre_hook(_marked(self._pre_forward)),
+            model.register_forward_hook(_marked(self._post_forward), always_call=True),
         ]
 
     @property
@@ -253,9 +253,11 @@ class Guard:
     # ------------------------------------------------------------------------------------ a read while sharded
 
     def _on_sharded_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if func in _METADATA or _called_from_torch_distributed():
+        if _called_from_torch_distributed():
             return func(*args, **kwargs)
         hits = [self._sharded[i] for i in _argument_ids(args, kwargs) if i in self._sharded]
+        if func in _METADATA:  # no unshard for metadata; once unsharded, a stale reference answers as the current
+            hits = [(group, fp) for group, fp in hits if group.is_unsharded]  # parameter (bf16 under mixed precision)
         for group, fp in hits:
             if not group.is_unsharded:
                 self._unshard(group, fp)
@@ -336,6 +338,13 @@ class Guard:
                     return where, self._paths[id(owner)]
             frame = frame.f_back
         return where or "?", ""
+
+
+def _marked(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """The guard's hooks read no parameter: ``__fsdp_compat_guard__`` lets the static analysis skip them."""
+    marked = functools.partial(hook)
+    marked.__fsdp_compat_guard__ = True  # type: ignore[attr-defined]
+    return marked
 
 
 def _param_groups(state: Any) -> list[Any]:

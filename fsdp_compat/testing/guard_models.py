@@ -17,7 +17,7 @@ recomputation does not change the arithmetic).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -146,14 +146,17 @@ def _apply(model: nn.Module, fsdp_kwargs: dict[str, Any], policy: str, *, checkp
             model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
         else:
             model.checkpointing = checkpointing
-    _capture_logs()
-    _MODELS.append(model)
+    _record(model)
     return str(apply_fsdp2(model, fsdp_kwargs, policy=policy))
 
 
 def legacy(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     """The verl >= 0.7.1 rule (every untied nn.Embedding and ``lm_head`` own a group), guard per environment."""
     return _apply(model, fsdp_kwargs, "legacy")
+
+
+def auto(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    return _apply(model, fsdp_kwargs, "auto")
 
 
 def layers_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
@@ -180,10 +183,55 @@ def layers_only_non_reentrant(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> 
     return _apply(model, fsdp_kwargs, "layers-only", checkpointing="non-reentrant")
 
 
+def legacy_selector(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """What verl >= 0.7.1 does with fsdp-compat's selector: the guard is installed by the selector, then the
+    framework calls ``fully_shard`` on each target and on the root itself."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_compat.guard import install_guard
+    from fsdp_compat.plan import select_wrap_targets
+
+    _record(model)
+    targets = select_wrap_targets(model, policy="legacy")
+    install_guard(model)
+    for module in targets:
+        fully_shard(module, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return str(len(targets))
+
+
 def _bf16(fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return {**fsdp_kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+
+
+def apply_plan_without(
+    model: nn.Module, fsdp_kwargs: dict[str, Any], policy: str, leave: Iterable[str]
+) -> list[tuple[str, ...]]:
+    """Apply ``policy``'s plan minus the groups of the modules named in ``leave`` (full paths or leaf names): what
+    the guard's log line recommends ("leave X in its enclosing group"). Returns the groups applied."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_compat.plan import plan_wrap
+
+    names = set(leave)
+    kept = [
+        g
+        for g in plan_wrap(model, policy=policy).groups
+        if not any(p in names or p.rsplit(".", 1)[-1] in names for p in g.paths)
+    ]
+    for group in kept:
+        fully_shard(list(group.modules) if len(group.modules) > 1 else group.modules[0], **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return [g.paths for g in kept]
+
+
+def legacy_recommended_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """``legacy`` with the change the guard recommends on these read patterns: the read table (GLM4V's
+    ``position_embedding``, ``passed_embedding``'s ``embed``) left in its enclosing group; bf16 parameters."""
+    _record(model)
+    return str(apply_plan_without(model, _bf16(fsdp_kwargs), "legacy", ["position_embedding", "embed"]))
 
 
 def legacy_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
@@ -203,10 +251,12 @@ def layers_only_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
 _MODELS: list[nn.Module] = []
 _RECORDS: list[str] = []
 _ALL_GATHERS = [0]
+_MODE_IN_FORWARD: list[bool] = []
 
 
-def _capture_logs() -> None:
-    """Keep this rank's ``fsdp_compat`` log messages and count FSDP2 all-gathers (for :func:`probe`)."""
+def _record(model: nn.Module) -> None:
+    """Keep the model, this rank's ``fsdp_compat`` log messages, whether a torch function mode is active inside
+    and outside the forward, and the number of FSDP2 all-gathers (for :func:`probe`)."""
     import logging
 
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
@@ -223,6 +273,10 @@ def _capture_logs() -> None:
         return original(*args, **kwargs)
 
     _fsdp_param_group.foreach_all_gather = counting
+    _MODELS.append(model)
+    model.get_input_embeddings().register_forward_pre_hook(
+        lambda *_: _MODE_IN_FORWARD.append(torch._C._is_torch_function_mode_enabled())
+    )
 
 
 def probe() -> dict[str, Any]:
@@ -243,5 +297,31 @@ def probe() -> dict[str, Any]:
         "unshards": guard.unshards if guard else 0,
         "log": [r for r in _RECORDS if "run-time guard" in r],
         "all_gathers": _ALL_GATHERS[0],
+        "mode_in_forward": all(_MODE_IN_FORWARD) and bool(_MODE_IN_FORWARD),
+        "mode_outside_forward": torch._C._is_torch_function_mode_enabled(),
         "weights": digest.hexdigest(),
+    }
+
+
+def probe_no_grad() -> dict[str, Any]:
+    """A forward under ``torch.no_grad()`` after training (a rollout's log-prob pass): the guard unshards at the
+    read and reshards when that forward ends, since no backward will come; the groups it touched are sharded after."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_compat.guard import guard_of
+
+    model = _MODELS[-1]
+    guard = guard_of(model)
+    before = guard.unshards if guard else 0
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in _batch(torch.Generator().manual_seed(1)).items()}
+    with torch.no_grad():
+        loss = float(model(**batch).loss)
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    groups = [g for state in states for g in state._fsdp_param_groups]
+    return {
+        "loss": loss,
+        "unshards": (guard.unshards - before) if guard else 0,
+        "all_sharded_after": all(g.is_sharded for g in groups),
+        "reshard_after_forward_restored": all(g.post_forward_mesh_info is not None for g in groups),
     }
