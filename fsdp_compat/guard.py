@@ -225,16 +225,19 @@ class Guard:
         from torch.distributed.fsdp import FSDPModule
 
         groups: dict[int, Any] = {}
-        roots: list[Any] = []
+        roots: dict[int, Any] = {}
         for module in self.model.modules():
             if not isinstance(module, FSDPModule):
                 continue
             state = module._get_fsdp_state()
             for group in _param_groups(state):
                 groups.setdefault(id(group), group)
-            if getattr(state, "_is_root", False) and state not in roots:
-                roots.append(state)
-        for state in roots:
+            for other in state._state_ctx.all_states:  # the FSDP2 root may also be a wrapper around this model
+                if other._is_root:
+                    roots[id(other)] = other
+        if groups and not roots:
+            raise AttributeError("no FSDP2 root state after the root's lazy init")
+        for state in roots.values():
             if "_root_post_backward_final_callback" not in vars(state):
                 original = state._root_post_backward_final_callback
                 state._root_post_backward_final_callback = functools.partial(self._final_callback, original)
@@ -322,7 +325,7 @@ class Guard:
             f"{advice}."
         )
         self.events.append(GuardEvent(name, parameter, where, reader, advice, nbytes, message))
-        logger.warning("%s", message)
+        logger.warning(message)
 
     def _reading_site(self) -> tuple[str, str]:
         """file:line of the first frame outside torch and this module, and the innermost module running there."""
