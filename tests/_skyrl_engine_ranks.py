@@ -55,7 +55,14 @@ def _configs(distribution: str) -> tuple[Any, Any, Any]:
         return FSDPConfig(mixed_precision=MixedPrecisionConfig(**fp32)), OptimizerConfig(**optim), AlgorithmConfig()
     import skyrl_train
 
-    shipped = OmegaConf.load(Path(skyrl_train.__file__).parent / "config" / "ppo_base_config.yaml").trainer
+    yaml = Path(skyrl_train.__file__).parent / "config" / "ppo_base_config.yaml"
+    if yaml.is_file():
+        shipped = OmegaConf.load(yaml).trainer
+    else:  # skyrl-train 0.1.0 ships no config: the keys its fsdp2 path and PPO loss read, 0.3.1's defaults
+        policy = {"fsdp_config": {"cpu_offload": False, "reshard_after_forward": True, "fsdp_size": -1}}
+        algorithm = {"policy_loss_type": "regular", "loss_reduction": "token_mean", "eps_clip_low": 0.2}
+        algorithm |= {"eps_clip_high": 0.2, "clip_ratio_c": 3.0, "use_tis": False, "tis_imp_ratio_cap": -1.0}
+        shipped = OmegaConf.create({"policy": {**policy, "optimizer_config": optim}, "algorithm": algorithm})
     fsdp = OmegaConf.merge(shipped.policy.fsdp_config, {"mixed_precision": fp32})
     algorithm = OmegaConf.merge(shipped.algorithm, {"max_seq_len": 64})  # the trainer fills it in from data
     return fsdp, OmegaConf.merge(shipped.policy.optimizer_config, optim), algorithm
@@ -284,12 +291,13 @@ def _failure(exc: BaseException) -> dict[str, Any]:
     """The exception line and the innermost SkyRL frame it came from (file, function, source line)."""
     import traceback
 
-    packages = ("site-packages/skyrl/", "site-packages/skyrl_train/")
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if any(p in f.filename for p in packages)]
+    distribution, _ = installed_skyrl() or ("", "")
+    root = Path(importlib.import_module(_PACKAGES[distribution].split(".")[0]).__file__ or "").parent
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).is_relative_to(root)]
     where = frames[-1] if frames else None
     return {
         "exception": traceback.format_exception_only(type(exc), exc)[-1].strip(),
-        "skyrl_frame": None if where is None else f"{where.filename.split('site-packages/')[-1]}:{where.name}",
+        "skyrl_frame": None if where is None else f"{Path(where.filename).relative_to(root.parent)}:{where.name}",
         "skyrl_line": None if where is None else where.line,
         "traceback": "".join(traceback.format_exception(exc))[-3000:],
     }

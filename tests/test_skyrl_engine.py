@@ -193,7 +193,7 @@ if DEVICE == "cpu" and not torch.cuda.is_available():
         # 1. setup_distributed's init_device_mesh("cuda"): the first fully_shard asks CUDA for its device.
         assert first["exception"] == NO_CUDA, first
         assert first["skyrl_frame"].endswith("fsdp_strategy.py:_fsdp_init_model"), first
-        assert first["skyrl_line"] == "apply_fsdp2(module, fsdp_kwargs, self.fsdp_config)", first
+        assert first["skyrl_line"].startswith("apply_fsdp2(") and "self.fsdp_config)" in first["skyrl_line"], first
         assert first["fsdp_groups"] == [], first
         # 2. given a CPU mesh, apply_fsdp2 shards the model and fsdp2_load_full_state_dict calls .cuda().
         assert second["exception"] == NO_CUDA, second
