@@ -106,10 +106,10 @@ def _rank_path() -> str:
 
 
 def _run(body: str, cfg: dict[str, Any], *, world_size: int = 2, **env: str) -> RunResult:
-    env = {**BASE_ENV, "PYTHONPATH": _rank_path(), **env}
-    result = run_ranks(f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=240, env=env)
+    full_env = {**BASE_ENV, "PYTHONPATH": _rank_path(), **env}
+    result = run_ranks(f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=240, env=full_env)
     outcome = "ok" if result.ok else result.exception
-    print(f"{RELEASE} {body} {cfg.get('model', '')} {env}: {outcome} ({result.seconds:.1f}s)")
+    print(f"{RELEASE} {body} {cfg.get('model', '')} {env or ''}: {outcome} ({result.seconds:.1f}s)")
     return result
 
 
@@ -168,6 +168,7 @@ def test_fsdp_init_model_trains_with_exact_parity(saved: dict[str, str]) -> None
     assert losses[0] == losses[1] == result.ranks[0].extra["reference_losses"], losses
     assert len(losses[0]) == STEPS and losses[0][0] != losses[0][-1], losses
     assert [rank.extra["meta_init"] for rank in result.ranks] == [False, True]  # SkyRL's meta init on rank 1
+    assert result.ranks[0].extra["fsdp_groups"] == result.ranks[1].extra["fsdp_groups"]  # same plan on meta
     for rank in result.ranks:
         extra = rank.extra
         assert extra["release"] == RELEASE and extra["adapter_imported_before_skyrl"] is False, extra
