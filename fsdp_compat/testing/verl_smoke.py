@@ -33,6 +33,7 @@ __all__ = [
     "GRID_SAMPLER_CRASH",
     "call_site",
     "enable_verl_fused_kernels",
+    "glm4v_position_ids",
     "installed_verl",
     "probe",
     "run",
@@ -130,7 +131,7 @@ def enable_verl_fused_kernels(model: Any) -> None:
 
         kwargs.setdefault("return_dict", True)  # verl's dense forward requires it
         if getattr(self.config, "model_type", "") == "glm4v" and kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = _glm4v_position_ids(self, kwargs)
+            kwargs["position_ids"] = glm4v_position_ids(self, kwargs)
         out = fused(self, *args, **kwargs)  # labels=None: verl rolls input_ids (no -100 ids to gather)
         if labels is not None:
             mask = torch.roll(labels, shifts=-1, dims=-1) != -100
@@ -141,7 +142,7 @@ def enable_verl_fused_kernels(model: Any) -> None:
     cls.forward = forward
 
 
-def _glm4v_position_ids(model: Any, batch: dict[str, Any]) -> Any:
+def glm4v_position_ids(model: Any, batch: dict[str, Any]) -> Any:
     """verl's GLM4V forward takes (4, B, L) position ids: text positions, then the 3 mrope rows (as verl's
     datasets build them)."""
     import inspect

@@ -1,0 +1,380 @@
+"""Rank-side code for the verl real-engine tests: verl's own ``TrainingWorker`` on the tiny GLM4V, case after case.
+
+Runs in fresh rank interpreters started by ``fsdp_compat.testing.harness.run_ranks`` (``tests/`` on PYTHONPATH).
+It never imports fsdp_compat's adapter: whatever patches verl here is the installed wheel's ``verl.plugins`` entry
+point or ``.pth`` hook. What each case does is what verl's SFT trainer does (``verl/trainer/sft_trainer.py``):
+``TrainingWorker(TrainingWorkerConfig(...))``, ``set_loss_fn(partial(sft_loss, config=None))``, ``reset()``, then
+``train_batch`` on a TensorDict built by verl's own ``SFTTensorCollator`` (no padding, nested tensors, 4-row
+GLM4V position ids, per-sample ``multi_modal_inputs``); ``train_batch`` runs ``forward_backward_batch`` and
+``optimizer_step``. Weight sync is ``engine.get_per_tensor_param()``.
+
+On CPU the only test-side piece is ``_verl_cpu_platform`` (verl's public platform registry) plus
+``VERL_ENGINE_DEVICE=cuda`` (verl's documented engine-device override: the FSDP engine registers cuda/npu only).
+With ``device == "cuda"`` verl's own CUDA platform and NCCL are used and nothing is overridden.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+#: the only exception lines the cases record instead of raising (everything else fails the rank)
+EXPECTED_ERRORS = (
+    "got mixed torch.Tensor and DTensor",  # FSDP_COMPAT=off: the grid_sampler crash
+    "Cannot access accelerator device when none is available",  # CPUOffloadPolicy(pin_memory=True) on CPU
+)
+
+
+def _setup(cfg: dict[str, Any], rank: int) -> str:
+    """Environment verl's Worker reads, the platform, then the process group (TrainingWorker skips its own)."""
+    world = cfg["world_size"]
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank if cfg["device"] == "cuda" else 0),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(cfg["port"]),
+    )
+    import torch
+    import torch.distributed as dist
+
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    else:
+        os.environ["VERL_PLATFORM"] = "cpu"
+        os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+        import _verl_cpu_platform  # noqa: F401  (registers "cpu"; importing verl loads the plugins)
+
+        torch.set_num_threads(1)  # two ranks share the CPU cores
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg["timeout_s"]),
+    )
+    return backend
+
+
+def adapter_state() -> dict[str, Any]:
+    """What fsdp-compat did in this process, read from sys.modules only (never imports the adapter)."""
+    import sys
+
+    adapter = getattr(sys.modules.get("fsdp_compat.adapters.verl"), "ADAPTER", None)
+    glm4v = sys.modules.get("verl.models.transformers.glm4v")
+    embeds = getattr(glm4v, "_get_input_embeds", None)
+    return {
+        "patched": bool(adapter and adapter.is_patched()),
+        "activated_by": getattr(adapter, "activated_by", None),
+        "describe": adapter.describe() if adapter else [],
+        "glm4v_repaired": bool(getattr(embeds, "__fsdp_compat__", False)),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ the batch
+
+
+def sft_batch(world_size: int, seed: int = 0) -> Any:
+    """The zoo's two GLM4V rows as verl's SFT dataset yields them (no padding), collated by verl's own
+    ``SFTTensorCollator`` and wrapped with the SFT trainer's meta info; the same batch on every rank."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
+
+    from fsdp_compat.testing.verl_smoke import glm4v_position_ids
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    batch = make_batch("glm4v", seed=seed)
+    positions = glm4v_position_ids(build_model("glm4v", seed=seed), batch)  # (4, B, L): text row + 3 mrope rows
+    samples, start = [], 0
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][i].sum())
+        grid = batch["image_grid_thw"][i : i + 1]
+        patches = int(grid.prod())
+        samples.append(
+            {
+                "input_ids": batch["input_ids"][i, :n],
+                "position_ids": positions[:, i, :n].contiguous(),
+                "loss_mask": (batch["labels"][i, :n] != -100).long(),
+                "multi_modal_inputs": {"pixel_values": batch["pixel_values"][start : start + patches],
+                                       "image_grid_thw": grid},
+            }
+        )
+        start += patches
+    data = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
+    meta = {
+        "use_remove_padding": False,
+        "use_dynamic_bsz": False,
+        "max_token_len_per_gpu": 4096,
+        "micro_batch_size_per_gpu": len(samples),
+        "temperature": 1.0,
+        "global_batch_size": len(samples) * world_size,
+        "pad_mode": DatasetPadMode.NO_PADDING,
+        "pad_token_id": 0,
+    }
+    td = tu.get_tensordict(tensor_dict=data, non_tensor_dict=meta)
+    # The trainer also assigns global_token_num, which only feeds verl's MFU metric; verl estimates GLM4V flops
+    # from a top-level config.hidden_size that this tiny transformers-5 config keeps in text_config only.
+    tu.assign_non_tensor(td, update_lr_scheduler=True)
+    assert isinstance(td["input_ids"], torch.Tensor) and td["input_ids"].is_nested
+    return td
+
+
+# ------------------------------------------------------------------------------------------------- one engine
+
+
+def _worker(cfg: dict[str, Any], case: dict[str, Any]) -> Any:
+    from functools import partial
+
+    from verl.trainer.config.config import CheckpointConfig
+    from verl.workers.config import (
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        TrainingWorkerConfig,
+    )
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import sft_loss
+
+    model = HFModelConfig(
+        path=cfg["model_dir"],
+        load_tokenizer=False,
+        use_remove_padding=False,
+        override_config={"attn_implementation": "eager"},
+        **case.get("model", {}),
+    )
+    engine = FSDPEngineConfig(
+        strategy="fsdp2",
+        use_torch_compile=False,
+        use_dynamic_bsz=False,
+        micro_batch_size_per_gpu=2,
+        infer_micro_batch_size_per_gpu=2,
+        **case.get("engine", {}),
+    )
+    optimizer = FSDPOptimizerConfig(lr=1e-2, total_training_steps=case.get("steps", 2))
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_type="language_model",
+            model_config=model,
+            engine_config=engine,
+            optimizer_config=optimizer,
+            checkpoint_config=CheckpointConfig(),
+        )
+    )
+    worker.set_loss_fn(partial(sft_loss, config=None))
+    return worker
+
+
+class _SelectorSpy:
+    """Records what verl's (patched) selector saw and chose on this rank: whether the model was on meta, and the
+    selected module paths. Wraps whatever ``fsdp_utils._select_fsdp2_wrap_targets`` is now and delegates."""
+
+    def __init__(self) -> None:
+        import verl.utils.fsdp_utils as utils
+
+        self.utils, self.inner, self.calls = utils, utils._select_fsdp2_wrap_targets, []
+
+    def __enter__(self) -> _SelectorSpy:
+        def spy(model: Any, *args: Any, **kwargs: Any) -> Any:
+            targets = self.inner(model, *args, **kwargs)
+            paths = {id(m): p for p, m in model.named_modules()}
+            self.calls.append(
+                {
+                    "meta_params": sum(p.is_meta for p in model.parameters()),
+                    "params": sum(1 for _ in model.parameters()),
+                    "targets": [paths.get(id(m), "?") for m in targets],
+                    "patched_selector": bool(getattr(self.inner, "__fsdp_compat__", False)),
+                }
+            )
+            return targets
+
+        self.utils._select_fsdp2_wrap_targets = spy
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.utils._select_fsdp2_wrap_targets = self.inner
+
+
+def reference_loss(engine: Any, cfg: dict[str, Any], loss_fn: Any) -> dict[str, Any]:
+    """Step-1 loss of the same verl forward on one unsharded process: the checkpoint loaded again with verl's
+    auto class (fp32, no FSDP; its classes already carry verl's GLM4V forward from ``apply_monkey_patch``), run
+    through the engine's own ``forward_step`` (``prepare_model_inputs`` -> model -> ``prepare_model_outputs``
+    -> ``sft_loss``) with ``dp_size`` 1 and this rank's token count, i.e. no collective at all. Also calls the
+    unrepaired ``_get_input_embeds`` (``__wrapped__``) once to record what verl's own function does."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import get_hf_auto_model_class
+
+    hf_config = engine.model_config.hf_config
+    module = get_hf_auto_model_class(hf_config=hf_config).from_pretrained(
+        cfg["model_dir"], torch_dtype=torch.float32, config=hf_config
+    )
+    module.train()
+    data = sft_batch(1)
+    tu.assign_non_tensor(data, sp_size=1, dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()))
+    single = copy.copy(engine)
+    single.module = module
+    out: dict[str, Any] = {}
+    try:
+        loss, _ = single.forward_step(data, loss_function=loss_fn, forward_only=False)
+        out["loss"] = float(loss.detach())
+    except Exception as exc:  # recorded, not raised: this runs on one rank, and the other must not wait for it
+        out["error"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    import verl.models.transformers.glm4v as glm4v
+
+    original = getattr(glm4v._get_input_embeds, "__wrapped__", None)
+    if original is not None:  # the repaired function keeps verl's own as __wrapped__ (functools.wraps)
+        from fsdp_compat.testing.zoo import make_batch
+
+        b = make_batch("glm4v")
+        try:
+            original(module.model, b["input_ids"], b["attention_mask"], b["pixel_values"], None, b["image_grid_thw"])
+            out["unrepaired"] = "ran"
+        except Exception as exc:
+            out["unrepaired"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return out
+
+
+def fsdp_groups(module: Any) -> list[str]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [path for path, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+
+def run_case(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Build verl's engine for ``case``, train ``steps`` batches, sync weights; figures go into ``out`` as they
+    are measured (so a case that stops part-way still reports what came before)."""
+    import torch
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+
+    t0 = time.perf_counter()
+    worker = _worker(cfg, case)
+    with _SelectorSpy() as spy:
+        worker.reset()
+    engine = worker.engine
+    out["selector_calls"] = spy.calls
+    out["groups"] = fsdp_groups(engine.module)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (out["groups"], [c["targets"] for c in spy.calls]))
+    out["plans_agree"] = all(x == everyone[0] for x in everyone)
+    out["setup_s"] = time.perf_counter() - t0
+    if case.get("reference") and rank == 0:
+        out["reference"] = reference_loss(engine, cfg, worker.loss_fn)
+    inner = getattr(engine.module, "_fsdp_wrapped_module", engine.module)
+    out["gradient_checkpointing"] = bool(getattr(inner, "is_gradient_checkpointing", False))
+    out["compute_dtype"] = str(getattr(engine, "_autocast_dtype", None))
+    out["losses"], out["grad_norms"] = [], []
+    for _ in range(case.get("steps", 2)):
+        t = time.perf_counter()
+        if engine.engine_config.forward_only:  # the ref model: verl's infer_batch (log-probs, loss, no step)
+            result = worker.infer_batch(sft_batch(cfg["world_size"]))
+        else:  # train_batch = forward_backward_batch + optimizer_step (verl's BaseEngine.train_batch)
+            result = worker.train_batch(sft_batch(cfg["world_size"]))
+        metrics = tu.get(result, "metrics")
+        out["losses"].append(float(metrics["loss"]))
+        if "grad_norm" in metrics:
+            out["grad_norms"].append(float(metrics["grad_norm"]))
+        out.setdefault("step_s", []).append(time.perf_counter() - t)
+    per_tensor, peft_config = engine.get_per_tensor_param()
+    synced = {name: tuple(t.shape) for name, t in per_tensor}
+    out["synced"] = sorted(synced)
+    out["synced_numel"] = sum(int(torch.Size(s).numel()) for s in synced.values())
+    out["peft"] = peft_config is not None
+    out["trainable"] = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
+    out["all_params"] = sorted(n for n, _ in engine.module.named_parameters())
+    return out
+
+
+def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A case that must stop with one of EXPECTED_ERRORS: the exception line and where it was raised."""
+    out: dict[str, Any] = {"error": None}
+    try:
+        run_case(cfg, case, rank, out)
+    except Exception as exc:
+        line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        if not any(text in line for text in EXPECTED_ERRORS):
+            raise
+        out.update(error=line, traceback=traceback.format_exc()[-3000:])
+    return out
+
+
+def engine_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """The rank body: one process group, then every case of ``cfg["cases"]`` in order (results in ``extra``)."""
+    extra["backend"] = _setup(cfg, rank)
+    import torch.distributed as dist
+
+    extra["cases"] = {}
+    for case in cfg["cases"]:
+        if case.get("expect_failure"):
+            extra["cases"][case["name"]] = run_expected_failure(cfg, case, rank)
+        else:
+            extra["cases"][case["name"]] = run_case(cfg, case, rank, {})
+        extra["state"] = adapter_state()
+        if case.get("expect_failure") and extra["cases"][case["name"]]["error"] and not case.get("at_setup"):
+            return  # FSDP crashed mid-forward: collectives may be left unmatched, so no barrier; rank_entry exits
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------- verl's GLM4V forward, one process
+
+
+def forward_probe() -> dict[str, Any]:
+    """verl's own GLM4V forward against transformers' own, one process, no FSDP, on the zoo batch.
+
+    The order of a worker: ``verl.utils.fsdp_utils`` imported (activates fsdp-compat), then
+    ``apply_monkey_patch`` (imports verl's glm4v module and swaps the class forwards). Logits of transformers'
+    forward are taken before the swap; verl's forward gets the 4-row position ids its datasets build. On
+    transformers 5 the unrepaired function (``__wrapped__``) is called too, to show what verl's own code does.
+    """
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("verl.models.transformers.glm4v") is None:
+        return {"has_glm4v_forward": False}
+    import verl.utils.fsdp_utils  # noqa: F401  (what every worker imports before the model is built)
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    from fsdp_compat.testing.verl_smoke import glm4v_position_ids
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    model, batch = build_model("glm4v"), make_batch("glm4v")
+    batch.pop("labels")
+    with torch.no_grad():
+        reference = model(**batch).logits
+    apply_monkey_patch(model=model, use_remove_padding=False)
+    import verl.models.transformers.glm4v as glm4v
+
+    out: dict[str, Any] = {"has_glm4v_forward": True, "state": adapter_state()}
+    inputs = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}  # verl's datasets drop it
+    inputs["position_ids"] = glm4v_position_ids(model, batch)
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        out["max_abs_logit_diff"] = float((logits - reference).abs().max())
+    except Exception as exc:
+        out["error"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    original = getattr(glm4v._get_input_embeds, "__wrapped__", None)
+    if original is not None:
+        try:
+            original(model.model, batch["input_ids"], batch["attention_mask"], batch["pixel_values"], None,
+                     batch["image_grid_thw"])
+            out["unrepaired"] = "ran"
+        except Exception as exc:
+            out["unrepaired"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1:] == ["forward-probe"]:
+        print(json.dumps(forward_probe()))

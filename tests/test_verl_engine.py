@@ -1,0 +1,316 @@
+"""GLM4V through verl's REAL training engine: ``TrainingWorker(TrainingWorkerConfig(...)).reset()`` and
+``train_batch`` (``forward_backward_batch`` + ``optimizer_step``), then ``engine.get_per_tensor_param()``.
+
+Ranks are fresh interpreters (``tests/_verl_engine_ranks.py``) that never import fsdp_compat's adapter: the
+installed wheel's ``.pth`` hook / ``verl.plugins`` entry point activate it, exactly as for a user. On CPU the only
+test-side piece is a platform registered through verl's public ``PlatformRegistry`` (``tests/_verl_cpu_platform``,
+verl >= 0.9.0). The tiny GLM4V is saved with ``save_pretrained`` and loaded by verl itself (meta-device init on
+rank 1, ``apply_monkey_patch``, FSDP2, ``fsdp2_load_full_state_dict``). Cases are grouped into two rank launches
+(the verl import dominates): ``FSDP_COMPAT=off`` and the default. Each guarded failure is shown first.
+
+Figures asserted below were measured with torch 2.13.0+cpu, transformers 5.10.4, verl 0.9.1, 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+REQUIRED = "verl" in os.environ.get("FSDP_COMPAT_REQUIRE", "").replace(",", " ").split()
+try:
+    VERL = Version(metadata.version("verl"))
+except metadata.PackageNotFoundError:
+    if REQUIRED:
+        pytest.fail("verl is not installed (FSDP_COMPAT_REQUIRE=verl)", pytrace=False)
+    pytest.skip("verl is not installed", allow_module_level=True)
+
+from fsdp_compat.testing.harness import RunResult, run_ranks  # noqa: E402
+from fsdp_compat.testing.verl_smoke import GRID_SAMPLER_CRASH  # noqa: E402
+
+pytestmark = [pytest.mark.verl]
+
+TESTS = Path(__file__).resolve().parent
+DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
+TRANSFORMERS_5 = Version(metadata.version("transformers")).major >= 5
+SHAPE_CRASH = "AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'shape'"
+PIN_CRASH = "RuntimeError: Cannot access accelerator device when none is available."
+#: step-1 loss of the fp32 run = the unsharded run of verl's forward on the same weights (CPU, figures above)
+FP32_STEP1_LOSS_CPU = 4.9012651443481445
+TIMEOUT_S = 300.0
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+CASES: list[dict[str, Any]] = [
+    # fp32 MixedPrecisionPolicy: the step-1 loss must equal the unsharded single-process verl forward
+    {"name": "fp32", "reference": True, "engine": {"mixed_precision": FP32}},
+    # verl's defaults: bf16 mixed precision, gradient checkpointing, meta-device init on rank 1
+    {"name": "defaults"},
+    # LoRA through verl's own builder (_build_lora_module: get_peft_model, all-linear)
+    {"name": "lora", "model": {"lora_rank": 4, "lora_alpha": 8, "target_modules": "all-linear"}},
+    # verl's fused kernels, torch backend: its forward reads lm_head.weight raw
+    {"name": "fused", "model": {"use_fused_kernels": True, "fused_kernel_options": {"impl_backend": "torch"}}},
+]
+#: the two paths that use CPUOffloadPolicy(pin_memory=True): the ref model (forward_only) and offload_policy
+OFFLOAD = [
+    {"name": "ref", "engine": {"forward_only": True}},
+    {"name": "offload_policy", "engine": {"offload_policy": True}},
+]
+
+ENGINE_ON_CPU = VERL in SpecifierSet(">=0.9.0")  # verl.plugin.platform, the public platform registry: 0.9.0+
+needs_engine = pytest.mark.skipif(
+    VERL not in SpecifierSet(">=0.8.0") or (DEVICE == "cpu" and not ENGINE_ON_CPU),
+    reason=f"verl {VERL}: the TrainingWorker engine path is 0.8.0+ (older releases train through fsdp_workers, "
+    "tests/test_verl.py); on CPU it needs verl.plugin.platform (0.9.0+): 0.8.0 hard-codes torch.cuda queries",
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _device() -> None:
+    if DEVICE.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("FSDP_COMPAT_TEST_DEVICE=cuda but CUDA is not available", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from fsdp_compat.testing.zoo import build_model
+
+    path = tmp_path_factory.mktemp("glm4v")
+    build_model("glm4v").save_pretrained(path)
+    return str(path)
+
+
+def _world_size() -> int:
+    if DEVICE != "cuda":
+        return 2
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def _launch(model_dir: str, cases: list[dict[str, Any]], env: dict[str, str]) -> list[dict[str, Any]]:
+    clean = {k: "" for k in ("FSDP_COMPAT", "FSDP_COMPAT_POLICY", "VERL_USE_EXTERNAL_MODULES")}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    result: RunResult = run_ranks(
+        "_verl_engine_ranks:engine_ranks",
+        {"model_dir": model_dir, "device": DEVICE, "cases": cases},
+        world_size=_world_size(),
+        timeout_s=TIMEOUT_S,
+        env={**clean, "PYTHONPATH": os.pathsep.join([str(TESTS), *inherited]), **env},
+    )
+    result.raise_for_error()
+    print(f"verl {VERL} engine launch ({', '.join(c['name'] for c in cases)}): {result.seconds:.1f}s")
+    return [rank.extra for rank in result.ranks]
+
+
+@pytest.fixture(scope="module")
+def off(model_dir: str) -> list[dict[str, Any]]:
+    return _launch(model_dir, [{"name": "off", "expect_failure": True, "reference": True}], {"FSDP_COMPAT": "off"})
+
+
+@pytest.fixture(scope="module")
+def on(model_dir: str) -> list[dict[str, Any]]:
+    if DEVICE == "cuda":
+        cases = CASES + OFFLOAD
+    else:  # the blocker is at wrap time on both ranks, before any collective: the launch goes on after it
+        cases = CASES + [{**c, "expect_failure": True, "at_setup": True} for c in OFFLOAD]
+    return _launch(model_dir, cases, {})
+
+
+def _case(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [rank["cases"][name] for rank in ranks]
+
+
+def _trained(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Both ranks trained two steps with finite, identical losses that moved; plans agreed across ranks."""
+    per_rank = _case(ranks, name)
+    for case in per_rank:
+        assert len(case["losses"]) == 2 and all(math.isfinite(x) for x in case["losses"]), case["losses"]
+        assert case["losses"][1] != case["losses"][0], f"{name}: the loss did not move: {case['losses']}"
+        assert case["plans_agree"], f"{name}: ranks planned different FSDP2 groups"
+        assert "model.visual.embeddings.position_embedding" not in case["groups"], case["groups"]
+    assert all(c["losses"] == per_rank[0]["losses"] for c in per_rank), [c["losses"] for c in per_rank]
+    print(f"verl {VERL} {name}: losses {per_rank[0]['losses']} groups {per_rank[0]['groups']}")
+    return per_rank
+
+
+# -------------------------------------------------------------------------------------- the guarded failures
+
+
+@needs_engine
+def test_off_switch_reproduces_the_grid_sampler_crash(off: list[dict[str, Any]]) -> None:
+    """FSDP_COMPAT=off: verl's own selector gives position_embedding a group; the first forward crashes. The
+    unsharded run of verl's GLM4V forward (rank 0, before training) fails too, in verl's own code."""
+    for rank in off:
+        assert not rank["state"]["patched"] and not rank["state"]["glm4v_repaired"], rank["state"]
+        case = rank["cases"]["off"]
+        assert GRID_SAMPLER_CRASH in case["error"], case
+        assert "model.visual.embeddings.position_embedding" in case["groups"], case["groups"]
+    reference = off[0]["cases"]["off"]["reference"]
+    if TRANSFORMERS_5:
+        assert reference["error"] == SHAPE_CRASH, reference
+
+
+# ---------------------------------------------------------------------------------------------- it trains
+
+
+@needs_engine
+def test_fp32_step1_loss_equals_unsharded_verl_forward(on: list[dict[str, Any]]) -> None:
+    """fp32 MixedPrecisionPolicy: verl's engine on 2 ranks vs. the same checkpoint, unsharded, one process,
+    through the engine's own forward_step; verl's unrepaired _get_input_embeds crashes on that same model."""
+    fp32 = _trained(on, "fp32")
+    reference = fp32[0]["reference"]
+    assert reference.get("error") is None, reference
+    assert fp32[0]["losses"][0] == reference["loss"], (fp32[0]["losses"], reference)
+    if DEVICE == "cpu":
+        assert reference["loss"] == FP32_STEP1_LOSS_CPU, reference
+    if TRANSFORMERS_5:
+        assert reference["unrepaired"] == SHAPE_CRASH, reference
+        for rank in on:
+            assert rank["state"]["glm4v_repaired"], rank["state"]
+    for rank in on:
+        assert rank["state"]["patched"] and rank["state"]["activated_by"] in ("pth-hook", "verl.plugins entry point")
+
+
+@needs_engine
+def test_verl_defaults_bf16_checkpointing_meta_rank(on: list[dict[str, Any]]) -> None:
+    """verl's defaults: bf16 compute, HF gradient checkpointing, and rank 1 built on meta (init_empty_weights):
+    the patched selector saw a meta model there and a real one on rank 0, and both chose the same groups."""
+    per_rank = _trained(on, "defaults")
+    for case in per_rank:
+        assert case["compute_dtype"] == "torch.bfloat16" and case["gradient_checkpointing"], case
+        (call,) = case["selector_calls"]
+        assert call["patched_selector"], call
+    calls = [case["selector_calls"][0] for case in per_rank]
+    assert calls[0]["meta_params"] == 0
+    if len(calls) > 1:
+        assert calls[1]["meta_params"] == calls[1]["params"] > 0, calls[1]
+    assert all(c["targets"] == calls[0]["targets"] for c in calls), calls
+
+
+@needs_engine
+def test_lora_through_verls_builder(on: list[dict[str, Any]]) -> None:
+    per_rank = _trained(on, "lora")
+    for case in per_rank:
+        assert case["peft"], case
+        assert case["trainable"] and all("lora_" in name for name in case["trainable"]), case["trainable"]
+
+
+@needs_engine
+def test_fused_kernels_torch_backend(on: list[dict[str, Any]]) -> None:
+    """verl's fused forward reads lm_head.weight raw: lm_head must not be a group of its own."""
+    for case in _trained(on, "fused"):
+        assert "lm_head" not in case["groups"], case["groups"]
+
+
+@needs_engine
+def test_weight_sync_returns_every_parameter(on: list[dict[str, Any]]) -> None:
+    """engine.get_per_tensor_param(): every parameter of the model, full (unsharded) size, on every rank."""
+    from fsdp_compat.testing.zoo import build_model
+
+    model = build_model("glm4v")
+    names = sorted(n for n, _ in model.named_parameters())
+    total = sum(p.numel() for p in model.parameters())
+    for name in ("fp32", "defaults", "fused"):
+        for case in _case(on, name):
+            assert case["synced"] == names and case["synced_numel"] == total, (name, len(case["synced"]))
+    for case in _case(on, "lora"):  # verl sends the base weights under their base names (+ the adapter config)
+        assert case["synced_numel"] == total, case["synced_numel"]
+
+
+@needs_engine
+def test_ref_model_and_offload_policy(on: list[dict[str, Any]]) -> None:
+    """Both use CPUOffloadPolicy(pin_memory=True). On CPU that is the blocker (pin_memory needs an accelerator:
+    asserted here); with FSDP_COMPAT_TEST_DEVICE=cuda both run: the ref model infers, offload_policy trains."""
+    if DEVICE == "cpu":
+        for name in ("ref", "offload_policy"):
+            for case in _case(on, name):
+                assert case["error"] == PIN_CRASH and "pin_memory()" in case["traceback"], case
+        return
+    ref = _case(on, "ref")
+    assert all(len(c["losses"]) == 2 and c["losses"][0] == c["losses"][1] for c in ref), ref  # no step: same loss
+    _trained(on, "offload_policy")
+
+
+# ------------------------------------------------------------------ verl's GLM4V forward, every release, 1 process
+
+
+def _probe(env: dict[str, str]) -> dict[str, Any]:
+    code = "import json, _verl_engine_ranks as r; print(json.dumps(r.forward_probe()))"
+    full = {**os.environ, "PYTHONPATH": str(TESTS), "VERL_USE_EXTERNAL_PLUGINS": "none", **env}
+    full.pop("VERL_USE_EXTERNAL_MODULES", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_glm4v_forward_matches_transformers() -> None:
+    """verl's GLM4V forward (apply_monkey_patch) gives transformers' own logits, bit for bit. On transformers 5
+    that takes the repair (verl's own function crashes: asserted); on 4.57 verl's function works as shipped
+    and nothing is repaired."""
+    out = _probe({"FSDP_COMPAT": ""})
+    if not out["has_glm4v_forward"]:
+        pytest.skip(f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)")
+    print(f"verl {VERL} GLM4V forward: {out}")
+    assert out.get("error") is None, out
+    assert out["max_abs_logit_diff"] == 0.0, out
+    assert out["state"]["glm4v_repaired"] == TRANSFORMERS_5, out["state"]
+    if TRANSFORMERS_5:
+        assert out["unrepaired"] == SHAPE_CRASH, out
+
+
+def test_glm4v_forward_unrepaired_when_off() -> None:
+    """FSDP_COMPAT=off installs nothing: on transformers 5 verl's own forward then fails on the first image."""
+    out = _probe({"FSDP_COMPAT": "off"})
+    if not out["has_glm4v_forward"]:
+        pytest.skip(f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)")
+    assert not out["state"]["patched"] and not out["state"]["glm4v_repaired"], out
+    if TRANSFORMERS_5:
+        assert out["error"] == SHAPE_CRASH, out
+    else:
+        assert out.get("error") is None and out["max_abs_logit_diff"] == 0.0, out
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="the GLM4V repair is declared for transformers 5 only")
+def test_glm4v_repair_is_deferred_logged_and_undone_by_unpatch() -> None:
+    """The repair waits for verl's glm4v module (text-only jobs never import it), logs when it is applied, and
+    ``unpatch()`` puts verl's own function object back."""
+    code = textwrap.dedent(
+        """
+        import json, logging, sys
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+        logging.getLogger("fsdp_compat").addHandler(Keep())
+        import verl.utils.fsdp_utils  # activates the adapter (.pth hook)
+        before = "verl.models.transformers.glm4v" in sys.modules
+        import verl.models.transformers.glm4v as glm4v
+        import fsdp_compat.adapters.verl as adapter
+        repaired = glm4v._get_input_embeds
+        adapter.unpatch()
+        print(json.dumps({
+            "loaded_before": before,
+            "repaired": getattr(repaired, "__fsdp_compat__", False),
+            "restored": glm4v._get_input_embeds is repaired.__wrapped__,
+            "logged": any("repaired verl.models.transformers.glm4v._get_input_embeds" in m for m in records),
+        }))
+        """
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "FSDP_COMPAT": ""}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"loaded_before": False, "repaired": True, "restored": True, "logged": True}, out
