@@ -2,21 +2,38 @@
 
 FSDP2 unshards a group only inside its module's forward (and backward). A module may therefore own a group only if
 every read of its parameters happens there. This module reads the code that actually runs - each module's current
-``forward`` (so a framework's monkey-patched forward counts), the helper methods it calls on itself and on its
-children, and ``super()`` chains - and reports every expression that reaches a Parameter through an attribute chain
-(``self.a.b.weight``, local aliases, ``get_input_embeddings()``, ``for layer in self.layers``) from another module's
-code, plus forward calls that skip levels of the tree. Source it cannot read makes the module *opaque*: the planner
-then assumes it may read anything below it.
+``forward`` (so a framework's monkey-patched forward counts), ``__call__`` overrides, forward hooks and pre-hooks,
+and every Python method, property, function, closure and ``functools.partial`` that code hands a module to - and
+reports where that code can reach a Parameter of another module.
+
+It is conservative by construction: it models a short list of constructs exactly and treats everything else as an
+*escape*. Modelled: attribute chains through registered children, parameters and plain attributes; constant and
+computed indexing of containers; iteration (``for``, comprehensions, ``enumerate``/``zip``/``reversed``); local
+aliases (flow-insensitive, tuple unpacking included); calling a module (its hooks run: FSDP2 unshards there);
+calling or reading a Python method/property/function/closure/partial (followed, with the modules it is given bound
+to its parameters, and its return value tracked); metadata of a Parameter (``.shape``, ``.dtype``...); identity
+tests, truth tests and ``isinstance``-style builtins on a module. Any other use of a reference to a module or a
+Parameter - passed to code that is not followed, stored, returned from a forward, reflected on (``parameters()``,
+``_modules``, ``vars``, ``getattr`` with a computed name), used as a value - counts as a read, at that point and by
+the module whose code runs, of every Parameter below the reference (matched by Parameter identity, so a wrapper
+that forwards ``.weight`` to an inner module is charged to the inner module). Source it cannot read makes the
+module *opaque*: the planner then assumes it may read anything below it.
+
+"After its own forward" is decided by a must-analysis over the control flow (branches, loops, early returns,
+``try``): a read counts as after module M's call only if M was called earlier on every path to the read.
+
+Known limits (the run-time guard covers them): objects reached only through ``gc``, C extensions or code
+registered after planning; backward hooks; more than four levels of plain Python containers.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import textwrap
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,22 +52,39 @@ METADATA_ATTRS = frozenset(
 )
 # Getters that return submodules; calling them during analysis is safe and resolves the chain.
 MODULE_GETTERS = frozenset({"get_input_embeddings", "get_output_embeddings", "get_decoder", "get_encoder"})
-# Builtins whose arguments are inspected, never called or read.
-INERT_CALLS = frozenset(
-    {"isinstance", "issubclass", "hasattr", "getattr", "type", "id", "len", "print", "repr", "str", "callable"}
-)
+# Builtins that look at an object (its type, identity, length) and never at a Parameter's data.
+INERT_CALLS = frozenset({"isinstance", "issubclass", "hasattr", "id", "type", "len", "callable"})
+# Builtins that hand back (elements of) their argument when iterated.
+_ITER_WRAPPERS = frozenset({"enumerate", "zip", "reversed", "list", "tuple", "iter", "sorted"})
 # Calling a module through these runs its hooks (FSDP2 unshards there); calling ``.forward()`` directly does not.
 _HOOKED_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+# Attributes that expose a module's registry: touching them reaches everything below it.
+_REFLECTION_ATTRS = frozenset({"__dict__", "_modules", "_parameters", "_buffers"})
+# transformers' ``module.dtype`` / ``.device`` look at the first parameter's dtype or device only.
+_MODULE_METADATA = frozenset({"dtype", "device"})
+# nn.Module methods that hand out submodules (modelled as iteration over them) or register a hook (followed).
+_MODULE_ITERATORS = frozenset({"modules", "named_modules", "children", "named_children"})
+_HOOK_REGISTRATION = frozenset(
+    {
+        "register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
+        "register_full_backward_pre_hook", "register_backward_hook",
+    }
+)
+_MAX_STEPS = 6  # longer chains (``x = x.inner`` in a loop) become "any descendant"
+_SCAN_DEPTH = 4  # how deep plain Python objects are searched for references to modules
+_SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
 
-Step = Any  # str attribute | ("()", getter) | ("[]", key or None) | ("*",)
+Step = Any  # str attribute | ("()", getter) | ("[]", key or None) | ("?",) dynamic attribute | ("**",) any below
 
 
 @dataclass(frozen=True)
 class RawRead:
     """One piece of evidence: ``reader``'s code touches ``owner`` outside ``owner``'s own forward window.
 
-    kind: ``"raw-read"`` (a parameter used directly), ``"call"`` (``owner``'s forward called from ``reader``,
-    which matters when it skips levels of the tree), or ``"opaque"`` (``reader``'s source could not be read).
+    kind: ``"raw-read"`` (a parameter used directly, or reachable from a reference that escapes the analysis),
+    ``"call"`` (``owner``'s forward called from ``reader``, which matters when it skips levels of the tree), or
+    ``"opaque"`` (``reader``'s source could not be read). ``after_forward_of``: modules called before this read on
+    every path through the reader's code.
     """
 
     reader: str
@@ -72,21 +106,66 @@ class RawRead:
         return self.describe()
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Per-function facts (cached per code object): what each expression that may hold a module reference does
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A value reachable from ``root`` (a name of the function, or ``#n``: what call node n returned)."""
+
+    root: str
+    steps: tuple[Step, ...]
+
+    def plus(self, step: Step) -> _Ref:
+        if self.steps and self.steps[-1] == ("**",) and step == ("[]", None):
+            return self
+        steps = (*self.steps, step)
+        if len(steps) > _MAX_STEPS:
+            steps = (*self.steps[: _MAX_STEPS - 1], ("**",))
+        return _Ref(self.root, steps)
+
+
+Refs = frozenset[_Ref]
+_NONE: Refs = frozenset()
+
+
+@dataclass(frozen=True)
+class _Arg:
+    refs: Refs
+    kind: str  # "pos" | "star" | "kw" | "dstar"
+    name: str | None = None
+
+
 @dataclass(frozen=True)
 class _Use:
-    steps: tuple[Step, ...]
-    how: str  # "call" (the chain is called), "arg" (passed to a non-builtin call), "value"
+    """One expression whose value may be a module, a Parameter or a callable, and what is done with it.
+
+    how: ``call`` (it is called with ``args``), ``value`` (any unmodelled use: a read / an escape), ``test``
+    (truth test), ``inert`` (identity test, ``isinstance``...), ``iter`` (iterated), ``store`` (an attribute
+    ``attr`` of it is assigned), ``return`` (returned), ``discard`` (evaluated and dropped).
+    """
+
+    index: int
+    refs: Refs
+    how: str
     lineno: int
+    before: frozenset[int]
+    args: tuple[_Arg, ...] = ()
+    node: int = -1
+    attr: str = ""
 
 
 @dataclass(frozen=True)
 class _FunctionFacts:
+    positional: tuple[str, ...]
+    kwonly: tuple[str, ...]
+    vararg: str | None
+    kwarg: str | None
     uses: tuple[_Use, ...]
-    super_calls: tuple[tuple[str, int], ...]
-    # Calls that hand ``self`` to another function: (callee name as written, parameter position or keyword, line).
-    self_passing: tuple[tuple[str, int | str, int], ...]
     filename: str
     qualname: str
+    lineno_offset: int
 
 
 class _Opaque(Exception):
@@ -102,191 +181,505 @@ def _source_function(func: Any) -> types.FunctionType:
     return func
 
 
-@functools.lru_cache(maxsize=4096)
-def _facts_for_code(code: types.CodeType, func: types.FunctionType, self_param: int | str = 0) -> _FunctionFacts:
+@functools.lru_cache(maxsize=8192)
+def _facts_for_code(code: types.CodeType, func: types.FunctionType) -> _FunctionFacts:
     try:
         source = textwrap.dedent(inspect.getsource(func))
         module_ast = ast.parse(source)
     except (OSError, TypeError, SyntaxError, IndentationError) as exc:
         raise _Opaque(f"source of {func.__qualname__} unavailable: {exc}") from None
-    node = next(
-        (n for n in module_ast.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None
-    )
+    node: ast.AST | None = None
+    if func.__name__ == "<lambda>":
+        lambdas = [n for n in ast.walk(module_ast) if isinstance(n, ast.Lambda)]
+        if len(lambdas) != 1:
+            raise _Opaque(f"cannot tell which lambda on line {code.co_firstlineno} is {func.__qualname__}")
+        node = lambdas[0]
+    else:
+        node = next(
+            (n for n in module_ast.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None
+        )
     if node is None:
         raise _Opaque(f"{func.__qualname__} is not defined by a def statement")
+    args = node.args  # type: ignore[attr-defined]
+    positional = tuple(a.arg for a in (*args.posonlyargs, *args.args))
+    if len(positional) + len(args.kwonlyargs) != code.co_argcount + code.co_kwonlyargcount:
+        raise _Opaque(f"the source found for {func.__qualname__} does not match its code")
+    collector = _Collector(node)
     offset = code.co_firstlineno - 1
-    positional = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
-    if isinstance(self_param, int):
-        self_name = positional[self_param] if self_param < len(positional) else None
-    else:
-        named = {*positional, *(a.arg for a in node.args.kwonlyargs)}
-        self_name = self_param if self_param in named else None
-    if self_name is None:
-        # e.g. a decorator's ``wrapper(*args, **kwargs)`` without functools.wraps: the real code is elsewhere.
-        raise _Opaque(f"{func.__qualname__} takes the module only through *args/**kwargs")
-    uses, supers, passing = _collect_uses(node, self_name)
+    uses = tuple(_replace_line(u, u.lineno + offset) for u in collector.uses)
     return _FunctionFacts(
-        uses=tuple(_Use(u.steps, u.how, u.lineno + offset) for u in uses),
-        super_calls=tuple((name, line + offset) for name, line in supers),
-        self_passing=tuple((name, where, line + offset) for name, where, line in passing),
+        positional=positional,
+        kwonly=tuple(a.arg for a in args.kwonlyargs),
+        vararg=args.vararg.arg if args.vararg else None,
+        kwarg=args.kwarg.arg if args.kwarg else None,
+        uses=uses,
         filename=code.co_filename,
         qualname=func.__qualname__,
+        lineno_offset=offset,
     )
 
 
-def function_facts(func: Any, self_param: int | str = 0) -> _FunctionFacts:
-    """Parsed, cached facts about one function: the attribute chains it uses and how (raises _Opaque).
+def _replace_line(use: _Use, lineno: int) -> _Use:
+    return _Use(use.index, use.refs, use.how, lineno, use.before, use.args, use.node, use.attr)
 
-    ``self_param`` says which parameter holds the module: the first positional one for methods, another position
-    or a keyword for a plain function the module passes itself to (``eager_attention_forward(self, ...)``).
-    """
+
+def function_facts(func: Any) -> _FunctionFacts:
+    """Parsed, cached facts about one function (raises _Opaque when its source cannot be read)."""
     func = _source_function(func)
-    return _facts_for_code(func.__code__, func, self_param)
+    return _facts_for_code(func.__code__, func)
 
 
-def _collect_uses(
-    fn: ast.AST, self_name: str | None
-) -> tuple[list[_Use], list[tuple[str, int]], list[tuple[str, int | str, int]]]:
-    aliases: dict[str, tuple[Step, ...]] = {}
-    if self_name:
-        aliases[self_name] = ()
-    parents: dict[int, ast.AST] = {}
-    for parent in ast.walk(fn):
-        for child in ast.iter_child_nodes(parent):
-            parents[id(child)] = parent
+def _is_getter(node: ast.Call) -> bool:
+    func = node.func
+    return isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS and not node.args and not node.keywords
 
-    def chain(node: ast.AST) -> tuple[Step, ...] | None:
+
+def _is_builtin(func: ast.AST, names: str | frozenset[str], stored: set[str]) -> bool:
+    """``func`` is a plain name of one of these builtins, not shadowed by a local of the function."""
+    wanted = {names} if isinstance(names, str) else names
+    return isinstance(func, ast.Name) and func.id in wanted and func.id not in stored
+
+
+class _Collector:
+    """Walks one function body in evaluation order, recording uses and which calls must precede each."""
+
+    def __init__(self, fn: ast.AST) -> None:
+        args = fn.args  # type: ignore[attr-defined]
+        self.params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
+        self.params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+        self.stored: set[str] = set()
+        self.call_no: dict[int, int] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                self.stored.add(node.id)
+            elif isinstance(node, ast.arg) and node.arg not in self.params:
+                self.stored.add(node.arg)  # parameters of nested functions and lambdas
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not fn:
+                self.stored.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.stored.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                self.stored.add(node.name)
+            elif isinstance(node, ast.Call):
+                self.call_no[id(node)] = len(self.call_no)
+        self.aliases: dict[str, set[_Ref]] = {}
+        self._bind_aliases(fn)
+        self.uses: list[_Use] = []
+        self.cur: frozenset[int] = frozenset()
+        body = fn.body if isinstance(fn.body, list) else [ast.Return(value=fn.body, lineno=fn.body.lineno)]
+        self._stmts(body, frozenset())
+
+    # -- what an expression may evaluate to --------------------------------------------------------------------
+
+    def refs(self, node: ast.AST) -> Refs:
         if isinstance(node, ast.Name):
-            return aliases.get(node.id)
+            found = set(self.aliases.get(node.id, ()))
+            if node.id in self.params or node.id not in self.stored:
+                found.add(_Ref(node.id, ()))
+            return frozenset(found)
         if isinstance(node, ast.Attribute):
-            base = chain(node.value)
-            return None if base is None else (*base, node.attr)
+            return frozenset(r.plus(node.attr) for r in self.refs(node.value))
         if isinstance(node, ast.Subscript):
-            base = chain(node.value)
-            if base is None:
-                return None
+            base = self.refs(node.value)
             key = node.slice
             if isinstance(key, ast.Slice):
-                return base  # a slice of a ModuleList/Sequential is a container of the same children
+                return base  # a slice of a ModuleList/Sequential holds the same children
             if isinstance(key, ast.Constant) and isinstance(key.value, (int, str)):
-                return (*base, ("[]", key.value))
-            return (*base, ("[]", None))
-        if isinstance(node, ast.Call) and not node.args and not node.keywords:
+                return frozenset(r.plus(("[]", key.value)) for r in base)
+            return frozenset(r.plus(("[]", None)) for r in base)
+        if isinstance(node, ast.Call):
             func = node.func
-            if isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS:
-                base = chain(func.value)
-                return None if base is None else (*base, ("()", func.attr))
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id == "getattr"
-            and len(node.args) >= 2
-            and isinstance(node.args[1], ast.Constant)
-            and isinstance(node.args[1].value, str)
-        ):
-            base = chain(node.args[0])
-            return None if base is None else (*base, node.args[1].value)
-        return None
+            if isinstance(func, ast.Name) and func.id == "super" and func.id not in self.stored:
+                return frozenset({_Ref("super", ())})
+            if _is_getter(node):
+                return frozenset(r.plus(("()", func.attr)) for r in self.refs(func.value))  # type: ignore[union-attr]
+            if _is_builtin(func, "getattr", self.stored) and len(node.args) >= 2:
+                base = self.refs(node.args[0])
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    return frozenset(r.plus(name.value) for r in base)
+                return frozenset(r.plus(("?",)) for r in base)
+            if self.refs(func):
+                return frozenset({_Ref(f"#{self.call_no[id(node)]}", ())})
+            return _NONE
+        if isinstance(node, ast.IfExp):
+            return self.refs(node.body) | self.refs(node.orelse)
+        if isinstance(node, ast.BoolOp):
+            return frozenset().union(*(self.refs(v) for v in node.values))
+        if isinstance(node, (ast.NamedExpr, ast.Starred)):
+            return self.refs(node.value)
+        return _NONE
 
-    def iter_chain(node: ast.AST) -> tuple[Step, ...] | None:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "enumerate":
-            node = node.args[0] if node.args else node
-        base = chain(node)
-        return None if base is None else (*base, ("*",))
+    @staticmethod
+    def _each(refs: Refs) -> Refs:
+        return frozenset(r.plus(("[]", None)) for r in refs)
 
-    def bind(target: ast.AST, value: tuple[Step, ...] | None, enumerate_pair: bool = False) -> None:
-        if value is None:
+    def _iter_targets(self, target: ast.AST, iterable: ast.AST) -> list[tuple[ast.AST, Refs]]:
+        """(target, what it may hold) for ``for target in iterable``."""
+        if isinstance(iterable, ast.Call) and _is_builtin(iterable.func, _ITER_WRAPPERS, self.stored):
+            name, args = iterable.func.id, iterable.args  # type: ignore[attr-defined]
+            if name == "enumerate" and args and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+                return [(target.elts[1], self._each(self.refs(args[0])))]
+            if name == "zip" and isinstance(target, ast.Tuple) and len(target.elts) == len(args):
+                return [(t, self._each(self.refs(a))) for t, a in zip(target.elts, args, strict=True)]
+            if name in ("reversed", "list", "tuple", "iter", "sorted") and args:
+                return [(target, self._each(self.refs(args[0])))]
+            return [(target, self._each(frozenset().union(*(self.refs(a) for a in args))))]
+        return [(target, self._each(self.refs(iterable)))]
+
+    def _bind(self, target: ast.AST, value: Refs, changed: list[bool]) -> None:
+        if not value:
             return
         if isinstance(target, ast.Name):
-            aliases.setdefault(target.id, value)
-        elif enumerate_pair and isinstance(target, ast.Tuple) and len(target.elts) == 2:
-            bind(target.elts[1], value)
+            known = self.aliases.setdefault(target.id, set())
+            if not value <= known:
+                known |= value
+                changed[0] = True
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            starred = any(isinstance(e, ast.Starred) for e in target.elts)
+            for i, elt in enumerate(target.elts):
+                if isinstance(elt, ast.Starred) or starred:
+                    inner = elt.value if isinstance(elt, ast.Starred) else elt
+                    self._bind(inner, self._each(value), changed)
+                else:
+                    self._bind(elt, frozenset(r.plus(("[]", i)) for r in value), changed)
 
-    # Aliases are collected flow-insensitively, twice so that aliases of aliases resolve.
-    for _ in range(2):
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                bind(node.targets[0], chain(node.value))
-            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
-                bind(node.target, chain(node.value))
-            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-                is_enum = isinstance(node.iter, ast.Call) and getattr(node.iter.func, "id", "") == "enumerate"
-                bind(node.target, iter_chain(node.iter), enumerate_pair=is_enum)
-
-    uses: list[_Use] = []
-    supers: list[tuple[str, int]] = []
-    passing: list[tuple[str, int | str, int]] = []
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in INERT_CALLS:
-            for index, arg in enumerate(node.args):
-                if isinstance(arg, ast.Name) and aliases.get(arg.id) == () and not isinstance(arg, ast.Starred):
-                    passing.append((node.func.id, index, node.lineno))
-            for keyword in node.keywords:
-                value = keyword.value
-                if keyword.arg and isinstance(value, ast.Name) and aliases.get(value.id) == ():
-                    passing.append((node.func.id, keyword.arg, node.lineno))
+    def _bind_value(self, target: ast.AST, value: ast.AST, changed: list[bool]) -> None:
         if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Call)
-            and isinstance(node.func.value.func, ast.Name)
-            and node.func.value.func.id == "super"
+            isinstance(target, (ast.Tuple, ast.List))
+            and isinstance(value, (ast.Tuple, ast.List))
+            and len(target.elts) == len(value.elts)
+            and not any(isinstance(e, ast.Starred) for e in (*target.elts, *value.elts))
         ):
-            supers.append((node.func.attr, node.lineno))
-            continue
-        if not isinstance(node, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
-            continue
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            continue
-        if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
-            continue
-        steps = chain(node)
-        if steps is None or steps == ():
-            continue
-        parent = parents.get(id(node))
-        if _extends_chain(parent, node, chain):
-            continue
-        how = "value"
-        if isinstance(parent, ast.Call):
-            if parent.func is node:
-                how = "call"
-            elif isinstance(parent.func, ast.Name) and parent.func.id in INERT_CALLS:
-                continue  # isinstance(self.w, ...), hasattr(...): looks at the object, never at its data
-            else:
-                how = "arg"
-        elif isinstance(parent, ast.keyword):
-            grand = parents.get(id(parent))
-            if isinstance(grand, ast.Call) and not (
-                isinstance(grand.func, ast.Name) and grand.func.id in INERT_CALLS
-            ):
-                how = "arg"
-        uses.append(_Use(steps, how, getattr(node, "lineno", 0)))
-    return uses, supers, passing
+            for t, v in zip(target.elts, value.elts, strict=True):
+                self._bind_value(t, v, changed)
+            return
+        self._bind(target, self.refs(value), changed)
 
+    def _bind_aliases(self, fn: ast.AST) -> None:
+        # Flow-insensitive may-alias sets, iterated to a fixed point (chains are capped, so it terminates).
+        for _ in range(8):
+            changed = [False]
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        self._bind_value(target, node.value, changed)
+                elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
+                    self._bind_value(node.target, node.value, changed)
+                elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                    for target, refs in self._iter_targets(node.target, node.iter):
+                        self._bind(target, refs, changed)
+                elif isinstance(node, (ast.With, ast.AsyncWith)):
+                    for item in node.items:
+                        if item.optional_vars is not None:
+                            self._bind(item.optional_vars, self.refs(item.context_expr), changed)
+            if not changed[0]:
+                return
 
-def _extends_chain(parent: ast.AST | None, node: ast.AST, chain: Any) -> bool:
-    """True when ``parent`` is a longer chain built on ``node`` (then only the longest chain is a use)."""
-    if parent is None:
+    # -- statements: a must-analysis of which calls ran before ---------------------------------------------------
+
+    def _stmts(self, body: list[ast.stmt], state: frozenset[int] | None) -> frozenset[int] | None:
+        for stmt in body:
+            if state is None:
+                state = frozenset()  # unreachable code: analysed, nothing assumed to have run
+                self._stmt(stmt, state)
+                state = None
+                continue
+            state = self._stmt(stmt, state)
+        return state
+
+    @staticmethod
+    def _meet(*states: frozenset[int] | None) -> frozenset[int] | None:
+        live = [s for s in states if s is not None]
+        if not live:
+            return None
+        return frozenset.intersection(*live)
+
+    def _expr(self, node: ast.AST | None, state: frozenset[int], how: str) -> frozenset[int]:
+        self.cur = state
+        if node is not None:
+            self._visit(node, how, False)
+        return self.cur
+
+    def _stmt(self, s: ast.stmt, state: frozenset[int]) -> frozenset[int] | None:
+        if isinstance(s, ast.Expr):
+            return self._expr(s.value, state, "discard")
+        if isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = s.targets if isinstance(s, ast.Assign) else [s.target]
+            plain = all(self._is_name_target(t) for t in targets) and not isinstance(s, ast.AugAssign)
+            state = self._expr(s.value, state, "bind" if plain else "value")
+            for target in targets:
+                state = self._store(target, state)
+            return state
+        if isinstance(s, ast.Return):
+            self._expr(s.value, state, "return")
+            return None
+        if isinstance(s, ast.Raise):
+            self._expr(s.exc, state, "value")
+            return None
+        if isinstance(s, (ast.Break, ast.Continue)):
+            return None
+        if isinstance(s, ast.If):
+            state = self._expr(s.test, state, "test")
+            return self._meet(self._stmts(s.body, state), self._stmts(s.orelse, state))
+        if isinstance(s, ast.While):
+            state = self._expr(s.test, state, "test")
+            self._stmts(s.body, state)
+            self._stmts(s.orelse, state)
+            return state
+        if isinstance(s, (ast.For, ast.AsyncFor)):
+            state = self._iter(s.iter, state)
+            state = self._store(s.target, state)
+            self._stmts(s.body, state)
+            self._stmts(s.orelse, state)
+            return state
+        if isinstance(s, (ast.With, ast.AsyncWith)):
+            for item in s.items:
+                state = self._expr(item.context_expr, state, "value")
+                if item.optional_vars is not None:
+                    state = self._store(item.optional_vars, state)
+            out = self._stmts(s.body, state)
+            return state if out is None else out  # a context manager may swallow an exception
+        if isinstance(s, (ast.Try, getattr(ast, "TryStar", ast.Try))):
+            body = self._stmts(s.body, state)
+            body = self._stmts(s.orelse, body) if body is not None else None
+            outs = [body]
+            for handler in s.handlers:
+                if handler.type is not None:
+                    self._expr(handler.type, state, "value")
+                outs.append(self._stmts(handler.body, state))
+            after = self._meet(*outs)
+            final = self._stmts(s.finalbody, state)
+            if after is None or final is None:
+                return None if after is None else after
+            return after | final
+        if isinstance(s, ast.Match):
+            state = self._expr(s.subject, state, "value")
+            outs = [state]
+            for case in s.cases:
+                if case.guard is not None:
+                    self._expr(case.guard, state, "test")
+                outs.append(self._stmts(case.body, state))
+            return self._meet(*outs)
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for dec in s.decorator_list:
+                state = self._expr(dec, state, "value")
+            if not isinstance(s, ast.ClassDef):
+                for default in (*s.args.defaults, *(d for d in s.args.kw_defaults if d is not None)):
+                    state = self._expr(default, state, "value")
+            saved = self.cur
+            self._stmts(s.body, state)  # runs later (if ever): only what ran before the def is assumed
+            self.cur = saved
+            return state
+        if isinstance(s, ast.Delete):
+            for target in s.targets:
+                state = self._store(target, state)
+            return state
+        if isinstance(s, ast.Assert):
+            state = self._expr(s.test, state, "test")
+            self._expr(s.msg, state, "value")
+            return state
+        for child in ast.iter_child_nodes(s):  # Global, Nonlocal, Import, Pass, ...
+            if isinstance(child, ast.expr):
+                state = self._expr(child, state, "value")
+        return state
+
+    @staticmethod
+    def _is_name_target(t: ast.AST) -> bool:
+        if isinstance(t, ast.Name):
+            return True
+        if isinstance(t, (ast.Tuple, ast.List)):
+            return all(_Collector._is_name_target(e.value if isinstance(e, ast.Starred) else e) for e in t.elts)
         return False
-    if isinstance(parent, (ast.Attribute, ast.Subscript)) and parent.value is node:
-        return chain(parent) is not None
-    if isinstance(parent, ast.Call) and isinstance(node, ast.Attribute) and parent.func is node:
-        return node.attr in MODULE_GETTERS and not parent.args and chain(parent) is not None
-    if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id == "getattr":
-        return chain(parent) is not None
-    return False
+
+    def _store(self, target: ast.AST, state: frozenset[int]) -> frozenset[int]:
+        self.cur = state
+        if isinstance(target, ast.Attribute):
+            refs = self.refs(target.value)
+            self._visit_inner(target.value)
+            if refs:
+                self._emit(refs, "store", target, attr=target.attr)
+            else:
+                self._visit(target.value, "value", False)
+        elif isinstance(target, ast.Subscript):
+            self._visit(target.value, "value", False)  # writing into a Parameter is a read of it
+            self._visit(target.slice, "value", False)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for elt in target.elts:
+                self._store(elt.value if isinstance(elt, ast.Starred) else elt, self.cur)
+        return self.cur
+
+    def _iter(self, iterable: ast.AST, state: frozenset[int]) -> frozenset[int]:
+        self.cur = state
+        if (
+            isinstance(iterable, ast.Call)
+            and isinstance(iterable.func, ast.Name)
+            and iterable.func.id in _ITER_WRAPPERS
+            and iterable.func.id not in self.stored
+        ):
+            for arg in iterable.args:
+                self._visit(arg, "iter", False)
+            for kw in iterable.keywords:
+                self._visit(kw.value, "value", False)
+        else:
+            self._visit(iterable, "iter", False)
+        return self.cur
+
+    # -- expressions ------------------------------------------------------------------------------------------
+
+    def _emit(self, refs: Refs, how: str, node: ast.AST, *, args: tuple[_Arg, ...] = (), call: int = -1,
+              attr: str = "", cond: bool = False) -> None:
+        index = len(self.uses)
+        self.uses.append(_Use(index, refs, how, getattr(node, "lineno", 0), self.cur, args, call, attr))
+        if how == "call" and not cond:
+            self.cur = self.cur | {index}
+
+    def _is_chain(self, node: ast.AST) -> bool:
+        if isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)):
+            return bool(self.refs(node))
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS and not node.args and not node.keywords:
+                return bool(self.refs(node))
+            if isinstance(func, ast.Name) and func.id in ("getattr", "super") and func.id not in self.stored:
+                return bool(self.refs(node))
+        return False
+
+    def _visit_inner(self, node: ast.AST, cond: bool = False) -> None:
+        """Evaluate the parts of a chain that run before it: subscript keys, calls whose result it extends."""
+        if isinstance(node, ast.Attribute):
+            self._visit_inner(node.value, cond)
+        elif isinstance(node, ast.Subscript):
+            self._visit_inner(node.value, cond)
+            if not isinstance(node.slice, ast.Constant):
+                self._visit(node.slice, "value", cond)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            getter = isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS and not node.args
+            if getter and not node.keywords:
+                self._visit_inner(func.value, cond)  # type: ignore[union-attr]
+            elif isinstance(func, ast.Name) and func.id == "getattr" and node.args and func.id not in self.stored:
+                self._visit_inner(node.args[0], cond)
+                for arg in node.args[1:]:
+                    self._visit(arg, "value", cond)
+            elif not (isinstance(func, ast.Name) and func.id == "super"):
+                self._call(node, cond)
+
+    def _visit(self, node: ast.AST, how: str, cond: bool) -> None:
+        if self._is_chain(node):
+            self._visit_inner(node, cond)
+            self._emit(self.refs(node), how, node, cond=cond)
+            return
+        if isinstance(node, ast.Call):
+            self._call(node, cond)
+            if how != "call":
+                refs = self.refs(node)  # what a followed function returned, used here
+                if refs:
+                    self._emit(refs, how, node, cond=cond)
+            return
+        if isinstance(node, ast.IfExp):
+            self._visit(node.test, "test", cond)
+            self._visit(node.body, how, True)
+            self._visit(node.orelse, how, True)
+            return
+        if isinstance(node, ast.BoolOp):
+            inner = "test" if how in ("test", "bind", "discard") else how
+            for i, value in enumerate(node.values):
+                self._visit(value, inner, cond or i > 0)
+            return
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            self._visit(node.operand, "test", cond)
+            return
+        if isinstance(node, ast.FormattedValue):
+            self._visit(node.value, "test", cond)  # formatting a module prints its repr; a tensor's data
+            if node.format_spec is not None:
+                self._visit(node.format_spec, "value", cond)
+            return
+        if isinstance(node, ast.Compare):
+            identity = all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+            for operand in (node.left, *node.comparators):
+                self._visit(operand, "inert" if identity else "value", cond)
+            return
+        if isinstance(node, ast.NamedExpr):
+            self._visit(node.value, "bind", cond)
+            return
+        if isinstance(node, ast.Lambda):
+            for default in (*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)):
+                self._visit(default, "value", cond)
+            saved = self.cur
+            self._visit(node.body, "return", True)
+            self.cur = saved
+            return
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            saved = self.cur
+            for i, gen in enumerate(node.generators):
+                if i == 0:
+                    self.cur = self._iter(gen.iter, self.cur)
+                    saved = self.cur
+                else:
+                    self.cur = self._iter(gen.iter, self.cur)
+                self._store(gen.target, self.cur)
+                for test in gen.ifs:
+                    self._visit(test, "test", True)
+            elts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            for elt in elts:
+                self._visit(elt, "value", True)
+            self.cur = saved
+            return
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.expr):
+                self._visit(child, "value", cond)
+            elif isinstance(child, ast.keyword):
+                self._visit(child.value, "value", cond)
+            elif isinstance(child, ast.comprehension):  # pragma: no cover - handled above
+                self._visit(child.iter, "value", cond)
+
+    def _call(self, node: ast.Call, cond: bool) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in INERT_CALLS and func.id not in self.stored:
+            for arg in node.args:
+                self._visit(arg, "inert", cond)
+            for kw in node.keywords:
+                self._visit(kw.value, "inert", cond)
+            return
+        func_refs = self.refs(func)
+        if func_refs:
+            self._visit_inner(func, cond)
+        else:
+            self._visit(func, "value", cond)
+        args: list[_Arg] = []
+        for arg in node.args:
+            if isinstance(arg, ast.Starred):
+                args.append(_Arg(self._arg(arg.value, cond), "star"))
+            else:
+                args.append(_Arg(self._arg(arg, cond), "pos"))
+        for kw in node.keywords:
+            refs = self._arg(kw.value, cond)
+            args.append(_Arg(refs, "kw", kw.arg) if kw.arg else _Arg(refs, "dstar"))
+        self._emit(func_refs, "call", node, args=tuple(args), call=self.call_no[id(node)], cond=cond)
+
+    def _arg(self, node: ast.AST, cond: bool) -> Refs:
+        """Evaluate an argument; returns what it may hold (its use is decided by the callee)."""
+        if self._is_chain(node):
+            self._visit_inner(node, cond)
+            return self.refs(node)
+        if isinstance(node, ast.Call):
+            self._call(node, cond)
+            return self.refs(node)
+        self._visit(node, "value", cond)
+        return _NONE
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Resolution of chains against real module instances
+# Resolution of references against real objects
 
 
 @dataclass(frozen=True)
 class _Resolved:
-    kind: str  # "module" | "param" | "method"
+    kind: str  # "module" | "param" | "method" | "property" | "object" | "escape" | "static"
     obj: Any
     owner: nn.Module | None = None  # for params: the module whose _parameters held it
-    attr: str = ""  # for params: attribute name; for methods: method name
+    attr: str = ""  # for params: attribute name; for methods/properties: the name
 
 
 @functools.lru_cache(maxsize=65536)
@@ -295,61 +688,185 @@ def _class_attr(cls: type, name: str) -> Any:
     return inspect.getattr_static(cls, name, None)
 
 
+@functools.lru_cache(maxsize=4096)
+def _custom_getattr(cls: type) -> bool:
+    """True when ``cls`` answers unknown attributes itself (peft's wrappers forward them to an inner module)."""
+    return inspect.getattr_static(cls, "__getattr__", None) is not nn.Module.__getattr__
+
+
+@functools.lru_cache(maxsize=4096)
+def _defined_by_nn_module(cls: type, name: str) -> bool:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass is nn.Module
+    return False
+
+
 def _children(module: nn.Module) -> list[nn.Module]:
     return [m for m in module._modules.values() if m is not None]
 
 
-def resolve(obj: Any, steps: tuple[Step, ...], owner: nn.Module | None = None, attr: str = "") -> list[_Resolved]:
-    """What a chain of steps reaches when started at ``obj`` (a list: ``*`` fans out over children)."""
-    if isinstance(obj, nn.Parameter):
-        if steps and isinstance(steps[0], str) and steps[0] in METADATA_ATTRS:
-            return []
-        return [_Resolved("param", obj, owner, attr)]
-    if isinstance(obj, torch.Tensor) or not isinstance(obj, nn.Module):
-        return []
-    if not steps:
-        return [_Resolved("module", obj)]
-    step, rest = steps[0], steps[1:]
-    nexts: list[tuple[Any, str]] = []
-    if isinstance(step, str):
-        if step in obj._parameters:
-            nexts = [(obj._parameters[step], step)]
-        elif step in obj._modules:
-            nexts = [(obj._modules[step], step)]
-        elif step in obj._buffers:
-            return []
-        else:
-            static = _class_attr(type(obj), step)
-            if isinstance(static, (types.FunctionType, staticmethod, classmethod)) or (
-                step in obj.__dict__ and isinstance(obj.__dict__[step], types.MethodType)
-            ):
-                return [_Resolved("method", obj, attr=step)] if not rest else []
-            if step in obj.__dict__:
-                nexts = [(obj.__dict__[step], step)]
-            else:
+def _descendants(module: nn.Module) -> list[nn.Module]:
+    return list(module.modules())
+
+
+class _Resolver:
+    def __init__(self, tree: ModuleTree) -> None:
+        self.tree = tree
+
+    def resolve(self, obj: Any, steps: tuple[Step, ...], owner: nn.Module | None = None,
+                attr: str = "") -> list[_Resolved]:
+        """What a chain of steps reaches when started at ``obj`` (a list: computed keys fan out)."""
+        if isinstance(obj, nn.Parameter):
+            if id(obj) not in self.tree.params:
                 return []
-    elif step[0] == "()":
-        try:
-            nexts = [(getattr(obj, step[1])(), step[1])]
-        except Exception:
+            if steps and isinstance(steps[0], str) and steps[0] in METADATA_ATTRS:
+                return []
+            return [_Resolved("param", obj, owner, attr)]
+        if isinstance(obj, (torch.Tensor, *_SCALARS)):
             return []
-    elif step[0] == "[]":
-        key = step[1]
-        if key is None:
-            nexts = [(child, "") for child in _children(obj)]
-        else:
+        if isinstance(obj, nn.Module):
+            return self._module(obj, steps)
+        if not steps:
+            if isinstance(obj, (types.ModuleType, type)):
+                return [_Resolved("static", obj)]
+            return [_Resolved("object", obj)]
+        step, rest = steps[0], steps[1:]
+        if isinstance(obj, types.ModuleType) and isinstance(step, str):
+            value = obj.__dict__.get(step)
+            return [] if value is None else self.resolve(value, rest)
+        if isinstance(obj, type) and isinstance(step, str):
+            value = inspect.getattr_static(obj, step, None)
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__ if isinstance(value, staticmethod) else types.MethodType(value.__func__, obj)
+            return [] if value is None else self.resolve(value, rest)
+        if isinstance(obj, _Seq) and isinstance(step, tuple) and step[0] == "[]":
+            if isinstance(step[1], int) and -len(obj) <= step[1] < len(obj):
+                return self.resolve(obj[step[1]], rest)
+            return [r for item in obj for r in self.resolve(item, rest)]
+        return [_Resolved("object", obj)]  # a plain object reached part-way: judged by what it holds
+
+    def _holder(self, value: Any) -> nn.Module | None:
+        owners = self.tree.param_owners.get(id(value)) if isinstance(value, nn.Parameter) else None
+        return self.tree.modules[owners[0][0]] if owners else None
+
+    def _module(self, obj: nn.Module, steps: tuple[Step, ...]) -> list[_Resolved]:
+        if not steps:
+            return [_Resolved("module", obj)]
+        step, rest = steps[0], steps[1:]
+        nexts: list[tuple[Any, str]] = []
+        if isinstance(step, str):
+            if step in _REFLECTION_ATTRS and rest[:1] == ("keys",):
+                return []  # the names only (ModuleDict.keys())
+            if step in _REFLECTION_ATTRS or step in ("__getattr__", "__getattribute__"):
+                return [_Resolved("escape", obj, attr=step)]
+            dunder = step.startswith("__") and step.endswith("__") and step not in _HOOKED_CALLS
+            if step in _MODULE_METADATA or dunder:
+                return []  # __class__, __name__, .dtype: the object's type, never its data
+            if step in obj._parameters:
+                nexts = [(obj._parameters[step], step)]
+            elif step in obj._modules:
+                nexts = [(obj._modules[step], step)]
+            elif step in obj._buffers:
+                return []
+            elif step in obj.__dict__:
+                value = obj.__dict__[step]
+                if isinstance(value, types.MethodType) and value.__self__ is obj:
+                    return [_Resolved("method", obj, attr=step)] if not rest else []
+                nexts = [(value, step)]
+            else:
+                static = _class_attr(type(obj), step)
+                if isinstance(static, (types.FunctionType, staticmethod, classmethod)):
+                    return [_Resolved("method", obj, attr=step)] if not rest else []
+                if isinstance(static, (property, functools.cached_property)):
+                    return [_Resolved("property", obj, attr=step)]
+                if static is None:
+                    if not _custom_getattr(type(obj)):
+                        return []
+                    # A wrapper that answers unknown attributes itself (peft forwards them to an inner module):
+                    # ask it, then follow what it hands back by identity.
+                    try:
+                        value = getattr(obj, step)
+                    except AttributeError:
+                        return []  # no such attribute: the code raises there, nothing is read
+                    except Exception:
+                        return [_Resolved("escape", obj, attr=step)]
+                    if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+                        return self._module(value.__self__, (value.__name__, *rest))
+                    return self.resolve(value, rest, owner=self._holder(value), attr=step)
+                if callable(getattr(static, "__get__", None)) and not isinstance(static, (*_SCALARS, tuple, list,
+                                                                                         frozenset, set, dict)):
+                    return [_Resolved("escape", obj, attr=step)]  # another descriptor: unknown code
+                nexts = [(static, step)]
+        elif step[0] == "()":
             try:
-                nexts = [(obj[key], str(key))]  # type: ignore[index]
+                nexts = [(getattr(obj, step[1])(), step[1])]
             except Exception:
                 return []
-    elif step[0] == "*":
-        nexts = [(child, "") for child in _children(obj)]
-    results: list[_Resolved] = []
-    for value, name in nexts:
-        if value is None:
-            continue
-        results.extend(resolve(value, rest, owner=obj, attr=name))
-    return results
+        elif step[0] == "[]":
+            key = step[1]
+            if key is None:
+                nexts = [(child, "") for child in _children(obj)]
+            else:
+                try:
+                    nexts = [(obj[key], str(key))]  # type: ignore[index]
+                except Exception:
+                    return []
+        elif step[0] == "?":
+            return [_Resolved("escape", obj, attr="<computed attribute>")]
+        elif step[0] == "**":
+            results: list[_Resolved] = []
+            for module in _descendants(obj):
+                results.extend(self._module(module, ()) if not rest else self._module(module, rest))
+                if rest:
+                    continue
+            return results
+        results = []
+        for value, name in nexts:
+            if value is None:
+                continue
+            results.extend(self.resolve(value, rest, owner=obj, attr=name))
+        return results
+
+
+def _held(obj: Any, tree: ModuleTree, depth: int = _SCAN_DEPTH, seen: set[int] | None = None) -> list[Any]:
+    """Modules and Parameters of ``tree`` that a plain Python object holds (containers, closures, partials...)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0 or isinstance(obj, _SCALARS):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, nn.Module):
+        return [obj] if id(obj) in tree.path_of else []
+    if isinstance(obj, nn.Parameter):
+        return [obj] if id(obj) in tree.params else []
+    if isinstance(obj, (torch.Tensor, types.ModuleType, type)):
+        return []
+    if isinstance(obj, types.FunctionType):
+        parts: list[Any] = [c.cell_contents for c in (obj.__closure__ or ()) if _cell_full(c)]
+        parts += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+    elif isinstance(obj, types.MethodType):
+        parts = [obj.__self__, obj.__func__]
+    elif isinstance(obj, functools.partial):
+        parts = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, dict):
+        parts = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        parts = list(obj)
+    else:
+        parts = list(getattr(obj, "__dict__", {}).values())
+        parts += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
+    found: list[Any] = []
+    for part in parts:
+        found.extend(_held(part, tree, depth - 1, seen))
+    return found
+
+
+def _cell_full(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,6 +880,10 @@ def _runs_own_code(module: nn.Module) -> bool:
     func = inspect.unwrap(func) if callable(func) else func
     module_name = getattr(func, "__module__", "") or ""
     return not module_name.startswith("torch.")
+
+
+def _torch_code(func: Any) -> bool:
+    return (getattr(func, "__module__", "") or "").startswith("torch")
 
 
 def _forward_function(module: nn.Module) -> Any:
@@ -385,23 +906,28 @@ class Analysis:
     opaque: dict[str, str]
 
 
+Bindings = dict[str, tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class _Site:
+    reader: str
+    before: frozenset[str]  # module paths whose forward ran before, on every path
+    where: str
+
+
 class _Analyzer:
     def __init__(self, tree: ModuleTree) -> None:
         self.tree = tree
+        self.resolver = _Resolver(tree)
         self.events: dict[tuple[Any, ...], RawRead] = {}
         self.opaque: dict[str, str] = {}
+        self.visited: dict[tuple[Any, ...], list[Any]] = {}
+        self.escaped: set[tuple[str, int]] = set()
+        self._subtree_owners: dict[int, list[tuple[str, str]]] = {}
+        self._held_memo: dict[int, tuple[Any, list[Any]]] = {}
 
-    def run(self) -> Analysis:
-        for path, module in self.tree.modules.items():
-            if not _runs_own_code(module):
-                continue
-            try:
-                forward = _forward_function(module)
-                self._function(forward, module, path, set())
-            except _Opaque as exc:
-                self.opaque[path] = str(exc)
-                self._add(RawRead(path, path, None, "opaque", str(exc)))
-        return Analysis(list(self.events.values()), self.opaque)
+    # -- evidence ---------------------------------------------------------------------------------------------
 
     def _add(self, event: RawRead) -> None:
         key = (event.reader, event.owner, event.param, event.kind)
@@ -415,96 +941,467 @@ class _Analyzer:
             return
         self.events.setdefault(key, event)
 
-    def _function(
-        self, func: Any, self_obj: nn.Module, reader: str, visited: set[Any], self_param: int | str = 0
-    ) -> None:
-        if isinstance(func, staticmethod):
-            return  # reached as self.helper(...): it never receives the module (self-passing calls are followed)
-        func = _source_function(func)
-        key = (func.__code__, id(self_obj), self_param)
-        if key in visited:
-            return
-        visited.add(key)
-        facts = function_facts(func, self_param)
-        for callee_name, where, lineno in facts.self_passing:
-            callee = func.__globals__.get(callee_name, getattr(__builtins__, callee_name, None))
-            closure = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
-            if callee_name in closure:
-                try:
-                    callee = closure[callee_name].cell_contents
-                except ValueError:
-                    callee = None
-            if isinstance(callee, type) or (callee is not None and getattr(callee, "__module__", "") == "builtins"):
-                continue  # a class or builtin given the module (e.g. super-style helpers, id(), vars())
-            if not isinstance(inspect.unwrap(callee) if callable(callee) else callee, types.FunctionType):
-                raise _Opaque(
-                    f"{facts.qualname} passes the module to {callee_name}() at line {lineno}, which cannot be read"
-                )
-            self._function(callee, self_obj, reader, visited, where)
-        called_before: list[tuple[int, str]] = []
-        deferred: list[tuple[_Use, _Resolved]] = []
-        for use in facts.uses:
-            for res in resolve(self_obj, use.steps):
-                if res.kind == "module" and use.how in ("call", "arg"):
-                    callee = self.tree.path_of.get(id(res.obj))
-                    if callee is None or (res.obj is self_obj and use.how == "arg"):
-                        continue
-                    called_before.append((use.lineno, callee))
-                    if callee != reader:
-                        self._add(RawRead(reader, callee, None, "call", self._where(facts, use.lineno)))
-                elif res.kind == "method" and use.how in ("call", "arg"):
-                    target = res.obj
-                    if res.attr in _HOOKED_CALLS:
-                        callee = self.tree.path_of.get(id(target))
-                        if callee is not None and callee != reader:
-                            called_before.append((use.lineno, callee))
-                            self._add(RawRead(reader, callee, None, "call", self._where(facts, use.lineno)))
-                        continue
-                    method = inspect.getattr_static(target, res.attr, None)
-                    if method is None and res.attr in target.__dict__:
-                        method = target.__dict__[res.attr].__func__
-                    try:
-                        self._function(method, target, reader, visited)
-                    except _Opaque as exc:
-                        target_path = self.tree.path_of.get(id(target), reader)
-                        self.opaque.setdefault(target_path, str(exc))
-                        self._add(RawRead(reader, target_path, None, "opaque", str(exc)))
-                elif res.kind == "param":
-                    deferred.append((use, res))
-        for use, res in deferred:
-            owner_path = self.tree.path_of.get(id(res.owner))
-            if owner_path is None or owner_path == reader:
-                continue
-            after = frozenset(path for line, path in called_before if line < use.lineno)
-            name = f"{owner_path}.{res.attr}" if owner_path else res.attr
-            self._add(RawRead(reader, owner_path, name, "raw-read", self._where(facts, use.lineno), after))
-        for name, _line in facts.super_calls:
-            for method in self._super_methods(func, self_obj, name):
-                try:
-                    self._function(method, self_obj, reader, visited)
-                except _Opaque as exc:
-                    self.opaque.setdefault(reader, str(exc))
-                    self._add(RawRead(reader, reader, None, "opaque", str(exc)))
+    def _read(self, param: nn.Parameter, site: _Site, after: bool = True) -> None:
+        owners = self.tree.param_owners.get(id(param), ())
+        if any(self.tree.is_ancestor_or_self(owner_path, site.reader) for owner_path, _ in owners):
+            return  # read inside (a sharer's) own forward: its group is unsharded there
+        for owner_path, name in owners:
+            qualified = f"{owner_path}.{name}" if owner_path else name
+            self._add(RawRead(site.reader, owner_path, qualified, "raw-read", site.where,
+                              site.before if after else frozenset()))
 
-    @staticmethod
-    def _super_methods(func: types.FunctionType, self_obj: nn.Module, name: str) -> Iterator[Any]:
+    def _escape(self, obj: Any, site: _Site, why: str) -> None:
+        """``obj`` (a module, Parameter or plain object) leaves what the analysis models: a read of all below it."""
+        if isinstance(obj, nn.Parameter):
+            self._read(obj, _Site(site.reader, frozenset(), f"{site.where}; {why}"), after=False)
+            return
+        if not isinstance(obj, nn.Module):
+            for held in self._held(obj):
+                self._escape(held, site, why)
+            return
+        path = self.tree.path_of.get(id(obj))
+        if path is None or (site.reader, id(obj)) in self.escaped:
+            return
+        self.escaped.add((site.reader, id(obj)))
+        owners = self._subtree_owners.get(id(obj))
+        if owners is None:
+            by_owner: dict[str, str] = {}
+            for _, param in self.tree.subtree_params(path):
+                for owner_path, name in self.tree.param_owners.get(id(param), ()):
+                    by_owner.setdefault(owner_path, f"{owner_path}.{name}" if owner_path else name)
+            owners = sorted(by_owner.items())
+            self._subtree_owners[id(obj)] = owners
+        where = f"{site.where}; {why}: everything below {path or '<root>'} counts as read there"
+        for owner_path, qualified in owners:
+            if not self.tree.is_ancestor_or_self(owner_path, site.reader):
+                self._add(RawRead(site.reader, owner_path, qualified, "raw-read", where))
+
+    def _opaque(self, module: nn.Module, reader: str, why: str) -> None:
+        path = self.tree.path_of.get(id(module), reader)
+        self.opaque.setdefault(path, why)
+        if path == reader:
+            self._add(RawRead(reader, reader, None, "opaque", why))
+        else:
+            self._escape(module, _Site(reader, frozenset(), why), "unreadable code")
+
+    # -- driving ----------------------------------------------------------------------------------------------
+
+    def run(self) -> Analysis:
+        from torch.nn.modules import module as module_mod
+
+        if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+            why = "global forward hooks are registered (they run around every module)"
+            self.opaque[""] = why
+            self._add(RawRead("", "", None, "opaque", why))
+        for path, module in self.tree.modules.items():
+            self._hooks(module, path)
+            call = _class_attr(type(module), "__call__")
+            if call is not nn.Module.__call__ and path:
+                # Runs before the module's hooks: code of the parent, outside the module's own window.
+                parent = self.tree.parent(path) or ""
+                site = _Site(parent, frozenset(), f"{type(module).__name__}.__call__")
+                if self._callable(call, [(module,)], {}, site) is None:
+                    self._opaque(module, parent, f"{type(module).__name__}.__call__ cannot be read")
+            if not _runs_own_code(module):
+                continue
+            try:
+                forward = _forward_function(module)
+                self._function(_source_function(forward), {}, (module,), path, frozenset(), forward_of=module)
+            except _Opaque as exc:
+                self.opaque[path] = str(exc)
+                self._add(RawRead(path, path, None, "opaque", str(exc)))
+        return Analysis(list(self.events.values()), self.opaque)
+
+    def _hooks(self, module: nn.Module, path: str) -> None:
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        for hook in hooks:
+            if getattr(hook, "__fsdp_compat_guard__", False):
+                continue  # fsdp-compat's own run-time guard: reads no parameter
+            # Hooks registered before fully_shard run inside the module's window (FSDP2 prepends its pre-hook and
+            # appends its post-hook), so the module's own parameters are unsharded there.
+            site = _Site(path, frozenset(), f"forward hook {getattr(hook, '__qualname__', repr(hook))}")
+            if self._callable(hook, [(module,)], {}, site, torch_ok=True) is None:
+                self._escape(module, site, "a hook the analysis cannot read")
+
+    # -- calls ------------------------------------------------------------------------------------------------
+
+    def _function(self, func: types.FunctionType, kwargs: dict[str, tuple[Any, ...]], args: tuple[Any, ...],
+                  reader: str, before: frozenset[str], *, forward_of: nn.Module | None = None,
+                  where: str = "") -> list[Any]:
+        """Analyse one function run by ``reader`` with ``args`` (each a tuple of possible objects) bound."""
+        facts = function_facts(func)
+        positional = [a if isinstance(a, tuple) else (a,) for a in args]
+        bindings: Bindings = {}
+        for name, value in zip(facts.positional, positional, strict=False):
+            bindings[name] = value
+        for name, value in kwargs.items():
+            if name in facts.positional or name in facts.kwonly:
+                bindings[name] = value
+        key = (
+            func.__code__, reader, before,
+            tuple(sorted((k, tuple(id(o) for o in v)) for k, v in bindings.items())),
+        )
+        if key in self.visited:
+            return self.visited[key]
+        self.visited[key] = []
+        extra = positional[len(facts.positional):]
+        extra_kw = {k: v for k, v in kwargs.items() if k not in bindings}
+        leftovers = [o for v in (*extra, *extra_kw.values()) for o in v]
+        if leftovers and not (facts.vararg or facts.kwarg):
+            leftovers = []  # a call that would raise TypeError: nothing runs
+        closure = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
+        returned: dict[int, list[Any]] = {}
+        called: dict[int, frozenset[str]] = {}
+        results: list[Any] = []
+        site_of = functools.partial(self._site, facts, reader, before, called)
+        for obj in leftovers:
+            self._escape(obj, site_of(facts.uses[0] if facts.uses else None), "passed through *args/**kwargs")
+        for use in facts.uses:
+            site = site_of(use)
+            targets = self._targets(use.refs, bindings, closure, func, returned, site)
+            if use.how == "call":
+                out = self._do_call(use, targets, bindings, closure, func, returned, site, called)
+                returned[use.node] = out
+            else:
+                for res in targets:
+                    self._do_use(use, res, site, forward_of, results, reader)
+        self.visited[key] = results
+        return results
+
+    def _site(self, facts: _FunctionFacts, reader: str, before: frozenset[str], called: dict[int, frozenset[str]],
+              use: _Use | None) -> _Site:
+        filename = facts.filename.rsplit("/", 1)[-1]
+        lineno = use.lineno if use is not None else facts.lineno_offset + 1
+        after = before.union(*(called.get(i, frozenset()) for i in use.before)) if use is not None else before
+        return _Site(reader, after, f"{filename}:{lineno} in {facts.qualname}")
+
+    def _targets(self, refs: Refs, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
+                 returned: dict[int, list[Any]], site: _Site) -> list[_Resolved]:
+        out: list[_Resolved] = []
+        for ref in refs:
+            for root in self._roots(ref.root, bindings, closure, func, returned, site):
+                if ref.root == "super":
+                    out.extend(self._super(func, root, ref.steps))
+                else:
+                    out.extend(self.resolver.resolve(root, ref.steps))
+        return out
+
+    def _roots(self, name: str, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
+               returned: dict[int, list[Any]], site: _Site) -> tuple[Any, ...]:
+        if name in bindings:
+            return bindings[name]
+        if name.startswith("#"):
+            return tuple(returned.get(int(name[1:]), ()))
+        if name == "super":
+            first = next(iter(bindings.values()), ())
+            return first
+        if name in closure:
+            return (closure[name].cell_contents,) if _cell_full(closure[name]) else ()
+        if name in func.__globals__:
+            return (func.__globals__[name],)
+        value = getattr(builtins, name, None)
+        return () if value is None else (value,)
+
+    def _super(self, func: types.FunctionType, self_obj: Any, steps: tuple[Step, ...]) -> list[_Resolved]:
+        if not steps or not isinstance(steps[0], str) or not isinstance(self_obj, nn.Module):
+            return []
+        name = steps[0]
         owner_name = func.__qualname__.rsplit(".", 1)[0]
         mro = type(self_obj).__mro__
         for index, cls in enumerate(mro):
-            if cls.__qualname__ == owner_name and cls.__dict__.get(func.__name__) is not None:
-                for later in mro[index + 1 :]:
+            if cls.__qualname__ == owner_name and func.__name__ in cls.__dict__:
+                for later in mro[index + 1:]:
                     if name in later.__dict__:
-                        method = later.__dict__[name]
-                        if getattr(method, "__module__", "").startswith("torch.") or later is nn.Module:
-                            return
-                        yield method
-                        return
-                return
+                        if name in _HOOKED_CALLS and later is nn.Module:
+                            return [_Resolved("method", self_obj, attr="__call__")]
+                        if later is nn.Module:
+                            return [_Resolved("escape", self_obj, attr=f"super().{name}")]
+                        return [_Resolved("function", later.__dict__[name], owner=self_obj, attr=name)]
+                return []
+        return [_Resolved("escape", self_obj, attr="super()")]
 
-    @staticmethod
-    def _where(facts: _FunctionFacts, lineno: int) -> str:
-        filename = facts.filename.rsplit("/", 1)[-1]
-        return f"{filename}:{lineno} in {facts.qualname}"
+    def _arg_objects(
+        self, use: _Use, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
+        returned: dict[int, list[Any]], site: _Site,
+    ) -> tuple[list[tuple[Any, ...]], dict[str, tuple[Any, ...]], list[Any]]:
+        """Positional and keyword arguments resolved to objects; what goes through ``*``/``**`` is returned apart."""
+        positional: list[tuple[Any, ...]] = []
+        keywords: dict[str, tuple[Any, ...]] = {}
+        starred: list[Any] = []
+        for arg in use.args:
+            objs = tuple(self._objects(arg.refs, bindings, closure, func, returned, site))
+            if arg.kind == "pos":
+                positional.append(objs)
+            elif arg.kind == "kw" and arg.name:
+                keywords[arg.name] = objs
+            else:
+                starred.extend(objs)
+        return positional, keywords, starred
+
+    def _objects(self, refs: Refs, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
+                 returned: dict[int, list[Any]], site: _Site) -> list[Any]:
+        """What ``refs`` may evaluate to, as objects worth tracking (modules, Parameters, holders of them)."""
+        out: list[Any] = []
+        for res in self._targets(refs, bindings, closure, func, returned, site):
+            if res.kind in ("module", "param", "object"):
+                out.append(res.obj)
+            elif res.kind in ("method", "property", "escape"):
+                out.append(_Bound(res))
+        return out
+
+    def _do_call(self, use: _Use, targets: list[_Resolved], bindings: Bindings, closure: dict[str, Any],
+                 func: types.FunctionType, returned: dict[int, list[Any]], site: _Site,
+                 called: dict[int, frozenset[str]]) -> list[Any]:
+        positional, keywords, starred = self._arg_objects(use, bindings, closure, func, returned, site)
+        tracked = [o for objs in (*positional, *keywords.values()) for o in objs]
+        for obj in starred:
+            self._escape_any(obj, site, "passed through *args/**kwargs")
+        results: list[Any] = []
+        calls: set[str] = set()
+        followed_all = bool(targets)
+        for res in targets:
+            out = self._call_target(res, positional, keywords, site, calls)
+            if out is None:
+                followed_all = False
+            else:
+                results.extend(out)
+        if not followed_all:
+            for obj in tracked:
+                self._escape_any(obj, site, "handed to code the analysis does not follow")
+        if calls:
+            called[use.index] = frozenset(calls)
+        return results
+
+    def _escape_any(self, obj: Any, site: _Site, why: str) -> None:
+        if isinstance(obj, _Bound):
+            res = obj.res
+            if res.kind == "method" and res.attr in _HOOKED_CALLS:
+                return  # a module's __call__ handed on: whoever calls it runs the module's hooks
+            self._escape(res.obj, site, why)
+        else:
+            self._escape(obj, site, why)
+
+    def _call_target(self, res: _Resolved, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]],
+                     site: _Site, calls: set[str]) -> list[Any] | None:
+        """Follow one possible callee; None when it is not followed (its tracked arguments then escape)."""
+        if res.kind == "module" or (res.kind == "method" and res.attr in _HOOKED_CALLS):
+            module = res.obj
+            path = self.tree.path_of.get(id(module))
+            if path is None:
+                return None
+            calls.add(path)
+            if path != site.reader:
+                self._add(RawRead(site.reader, path, None, "call", site.where))
+            if self._carries(positional, keywords):
+                try:
+                    forward = _source_function(_forward_function(module))
+                except _Opaque:
+                    return None
+                self._function(forward, keywords, ((module,), *positional), path, site.before | {path},
+                               forward_of=module)
+            return []
+        if res.kind == "param":
+            self._read(res.obj, site)
+            return []
+        if res.kind == "escape":
+            self._escape(res.obj, site, f"reached through {res.attr}")
+            return []
+        if res.kind == "method":
+            module = res.obj
+            if _defined_by_nn_module(type(module), res.attr):
+                return self._nn_module_method(module, res.attr, positional, keywords, site)
+            method = inspect.getattr_static(module, res.attr, None)
+            if res.attr in module.__dict__:
+                method = module.__dict__[res.attr].__func__
+            try:
+                source = _source_function(method)
+            except _Opaque as exc:
+                self._opaque_method(module, site, str(exc))
+                return []
+            args: tuple[Any, ...] = ((module,), *positional)
+            if isinstance(method, staticmethod):
+                args = tuple(positional)
+            return self._function(source, keywords, args, site.reader, site.before, where=site.where)
+        if res.kind == "property":
+            return self._property(res, site)
+        if res.kind == "function":  # super().name
+            try:
+                source = _source_function(res.obj)
+            except _Opaque as exc:
+                self._opaque_method(res.owner, site, str(exc))
+                return []
+            return self._function(source, keywords, ((res.owner,), *positional), site.reader, site.before,
+                                  where=site.where)
+        if res.kind == "static":
+            if isinstance(res.obj, type):
+                return None  # constructing an object from modules or Parameters: they escape into it
+            return []
+        target = res.obj
+        if target is getattr or target is setattr or target is vars:
+            return None
+        if isinstance(target, types.BuiltinFunctionType) or ((
+            isinstance(target, type) or _torch_code(target)
+        ) and not isinstance(target, (types.MethodType, functools.partial))):
+            return None
+        if not self._carries(positional, keywords) and not self._held(target):
+            return []  # nothing of the model goes in: whatever it does, it cannot touch a Parameter
+        if isinstance(target, (types.FunctionType, types.MethodType, functools.partial)):
+            return self._callable(target, positional, keywords, site)
+        for held in self._held(target):  # a callable object: whatever it holds escapes
+            self._escape(held, site, "held by a callable the analysis does not follow")
+        return None
+
+    def _nn_module_method(self, module: nn.Module, name: str, positional: list[tuple[Any, ...]],
+                          keywords: dict[str, tuple[Any, ...]], site: _Site) -> list[Any]:
+        """nn.Module's own methods: module iterators and hook registration are modelled, the rest reflects."""
+        if name in _MODULE_ITERATORS:
+            below = list(module.modules()) if name.endswith("modules") else _children(module)
+            if name.startswith("named_"):
+                return [_Seq(_Seq(("", m)) for m in below)]
+            return [_Seq(below)]
+        if name in _HOOK_REGISTRATION:
+            hooks = [*(positional[0] if positional else ()), *keywords.get("hook", ())]
+            path = self.tree.path_of.get(id(module), site.reader)
+            for hook in hooks:
+                inner = _Site(path, frozenset(), f"{site.where}; hook registered there")
+                if isinstance(hook, _Bound) or self._callable(hook, [(module,)], {}, inner, torch_ok=True) is None:
+                    self._escape(module, site, "a hook registered in forward that the analysis cannot read")
+            return []
+        self._escape(module, site, f"nn.Module.{name}() reflects on it")
+        return []
+
+    def _callable(self, target: Any, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]],
+                  site: _Site, *, torch_ok: bool = False) -> list[Any] | None:
+        """Follow a call of a plain function, bound method or partial; None when it cannot be followed."""
+        prefix: list[tuple[Any, ...]] = []
+        func = target
+        kw = dict(keywords)
+        while isinstance(func, functools.partial):
+            prefix = [(a,) for a in func.args] + prefix
+            kw = {**{k: (v,) for k, v in func.keywords.items()}, **kw}
+            func = func.func
+        if isinstance(func, types.MethodType):
+            prefix = [(func.__self__,), *prefix]
+            func = func.__func__
+        if isinstance(func, nn.Module):
+            return None
+        try:
+            source = _source_function(func)
+        except _Opaque:
+            return None
+        if _torch_code(source) and not torch_ok:
+            return None  # torch's functional code: a Parameter handed to it is simply read
+        return self._function(source, kw, (*prefix, *positional), site.reader, site.before, where=site.where)
+
+    def _property(self, res: _Resolved, site: _Site) -> list[Any]:
+        static = _class_attr(type(res.obj), res.attr)
+        getter = static.fget if isinstance(static, property) else getattr(static, "func", None)
+        try:
+            source = _source_function(getter)
+        except _Opaque as exc:
+            self._opaque_method(res.obj, site, str(exc))
+            return []
+        return self._function(source, {}, ((res.obj,),), site.reader, site.before, where=site.where)
+
+    def _opaque_method(self, module: Any, site: _Site, why: str) -> None:
+        if isinstance(module, nn.Module):
+            path = self.tree.path_of.get(id(module), site.reader)
+            self.opaque.setdefault(path, why)
+            self._escape(module, site, f"unreadable code ({why})")
+
+    def _held(self, obj: Any) -> list[Any]:
+        key = id(obj)
+        if key not in self._held_memo:
+            self._held_memo[key] = (obj, _held(obj, self.tree))
+        return self._held_memo[key][1]
+
+    def _carries(self, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]]) -> bool:
+        """True when an argument is (or holds) a module, a Parameter or a method of the model."""
+        return any(
+            isinstance(o, _Bound) or self._held(o) for objs in (*positional, *keywords.values()) for o in objs
+        )
+
+    def _returned_site(self, module: nn.Module, site: _Site) -> _Site:
+        """A forward that returns a module or Parameter hands it to its caller: charged to the parent."""
+        path = self.tree.path_of.get(id(module), "")
+        parent = self.tree.parent(path) if path else None
+        return _Site(parent if parent is not None else path, frozenset(), site.where)
+
+    def _do_use(self, use: _Use, res: _Resolved, site: _Site, forward_of: nn.Module | None, results: list[Any],
+                reader: str) -> None:
+        how = use.how
+        kind = res.kind
+        if kind == "param":
+            if how in ("inert", "discard", "bind"):
+                return
+            if how == "return" and forward_of is None:
+                results.append(res.obj)  # handed back to the caller, which decides
+                return
+            if how == "return":
+                self._escape(res.obj, self._returned_site(forward_of, site), "returned from a forward")
+                return
+            self._read(res.obj, site)
+            return
+        if kind == "module":
+            if how in ("inert", "discard", "bind", "test", "iter"):
+                return
+            if how == "return":
+                if forward_of is None:
+                    results.append(res.obj)
+                else:
+                    self._escape(res.obj, self._returned_site(forward_of, site), "returned from a forward")
+                return
+            if how == "store":
+                if use.attr in res.obj._parameters or use.attr in res.obj._modules:
+                    self._escape(res.obj, site, f"its {use.attr} is replaced")
+                return
+            self._escape(res.obj, site, "used as a value")
+            return
+        if kind == "escape":
+            if how in ("inert",):
+                return
+            self._escape(res.obj, site, f"reached through {res.attr}")
+            return
+        if kind == "property":
+            if how in ("inert", "store"):
+                return
+            out = self._property(res, site)
+            for obj in out:
+                fake = _Use(use.index, use.refs, how, use.lineno, use.before)
+                for sub in self.resolver.resolve(obj, ()):
+                    self._do_use(fake, sub, site, forward_of, results, reader)
+            return
+        if kind == "method":
+            if how in ("inert", "discard", "bind", "test"):
+                return
+            if res.attr in _HOOKED_CALLS:
+                path = self.tree.path_of.get(id(res.obj))
+                if path is not None and path != reader:
+                    self._add(RawRead(reader, path, None, "call", site.where))
+                return
+            self._escape(res.obj, site, f"its method {res.attr} is handed on")
+            return
+        if kind == "object":
+            if how in ("inert", "discard", "bind", "test", "iter"):
+                return
+            if how == "return" and forward_of is None:
+                results.append(res.obj)
+                return
+            for held in self._held(res.obj):
+                self._escape(held, site, "held by an object the analysis does not model")
+
+
+class _Seq(tuple):  # type: ignore[type-arg]
+    """What a module iterator (``named_modules()``...) returns: iterating or indexing it gives its items."""
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A method, property or reflective access handed around as a value."""
+
+    res: _Resolved
+
+
 
 
 def find_raw_reads(model: nn.Module, tree: ModuleTree | None = None) -> Analysis:

@@ -376,7 +376,6 @@ def _instance_partial() -> nn.Module:
 
 OPAQUE = {
     "exec": Generated,
-    "lambda": Lambda,
     "builtin": Builtin,
     "instance-partial": _instance_partial,
     "torch.jit.script": lambda: torch.jit.script(Block()),
@@ -415,7 +414,9 @@ def test_unreadable_root_forward_gives_no_groups() -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [PartialMethod, Decorated, Helper], ids=["partialmethod", "decorator-without-wraps", "helper-function"]
+    "cls",
+    [PartialMethod, Decorated, Helper, Lambda],
+    ids=["partialmethod", "decorator-without-wraps", "helper-function", "lambda"],
 )
 def test_wrapped_forward_is_analysed_or_opaque(cls: type[nn.Module]) -> None:
     """The code that reads gen.table.weight is followed (a helper called with self) or the module is opaque."""
