@@ -83,7 +83,22 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any = None, *args: Any, **kwargs: Any) -> None:
         from fsdp_compat.apply import apply_fsdp2 as core_apply_fsdp2
 
-        plan = core_apply_fsdp2(model, fsdp_kwargs, configured_layer_classes(config), policy=policy)
+        from ._selection import outdated_fallback, unmatched
+
+        names = configured_layer_classes(config)
+        outdated = unmatched(model, names if names is not None else getattr(model, "_no_split_modules", None))
+        if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
+            from torch.distributed.fsdp import fully_shard
+
+            from fsdp_compat.guard import install_guard
+            from fsdp_compat.policies import resolve_policy
+
+            for module in outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed):
+                fully_shard(module, **dict(fsdp_kwargs or {}))
+            fully_shard(model, **dict(fsdp_kwargs or {}))  # the root last, as SkyRL does
+            install_guard(model)  # a read the plan did not foresee unshards its group instead of crashing
+            return
+        plan = core_apply_fsdp2(model, fsdp_kwargs, names, policy=policy)
         logger.debug("skyrl apply_fsdp2 (policy %s):\n%s", policy, plan)
 
     apply_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]
@@ -97,10 +112,19 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
     def modules_to_wrap_fsdp2(model: Any, cls_names: Any = None, *args: Any, **kwargs: Any) -> list[Any]:
         from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import select_wrap_targets
+        from fsdp_compat.policies import resolve_policy
 
-        install_guard(model)  # before SkyRL's own fully_shard calls: it finds the groups at the first forward
+        from ._selection import outdated_fallback, unmatched
+
         names = [cls_names] if isinstance(cls_names, str) else (list(cls_names) if cls_names else None)
-        return select_wrap_targets(model, names, policy=policy)
+        outdated = unmatched(model, names)
+        if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
+            targets = outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed)
+        else:
+            targets = select_wrap_targets(model, names, policy=policy)
+        # after the analysis (which reads the model's own forwards), before SkyRL's own fully_shard calls
+        install_guard(model)
+        return targets
 
     modules_to_wrap_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]
     return modules_to_wrap_fsdp2

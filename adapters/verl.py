@@ -118,17 +118,28 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any) -> None:
         from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import plan_wrap
+        from fsdp_compat.policies import resolve_policy
+
+        from ._selection import outdated_fallback, unmatched
 
         utils = sys.modules[original.__module__]
         fully_shard, context = getattr(utils, "fully_shard", None), _fsdp_module_context(utils)
         if fully_shard is None:
             raise RuntimeError("PyTorch version >= 2.4 is required for using fully_shard API (FSDP2)")
-        plan = plan_wrap(model, configured_layer_classes(model, config), policy=policy)
+        names = configured_layer_classes(model, config)
         kwargs = dict(fsdp_kwargs or {})
-        for group in plan.groups:
-            target = group.modules[0] if len(group.modules) == 1 else list(group.modules)
-            with context(group.modules[0]):
-                fully_shard(target, **{**kwargs, **group.overrides})
+        outdated = unmatched(model, names)
+        if outdated is not None:  # verl trains with such a list (embeddings only): so do we, with a warning
+            plan: Any = "wrap list matched nothing"
+            for module in outdated_fallback("verl", model, outdated, resolve_policy(policy).analyzed):
+                with context(module):
+                    fully_shard(module, **kwargs)
+        else:
+            plan = plan_wrap(model, names, policy=policy)
+            for group in plan.groups:
+                target = group.modules[0] if len(group.modules) == 1 else list(group.modules)
+                with context(group.modules[0]):
+                    fully_shard(target, **{**kwargs, **group.overrides})
         with context(model):
             fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
         install_guard(model)  # a read the plan did not foresee unshards its group instead of crashing
@@ -154,54 +165,15 @@ def _output_heads(model: Any) -> Iterator[Any]:
             yield module
 
 
-_BY_NAME = frozenset({"embed_tokens", "lm_head"})
-
-
-def _by_name_wrappers(model: Any, targets: list[Any]) -> list[Any]:
-    """verl's by-name rule where it is safe: a wrapper named ``embed_tokens``/``lm_head`` with a ``weight`` (peft's
-    ``ModulesToSaveWrapper``, which is no ``nn.Embedding``) gets its own group when the model is untied, nothing
-    above or below it is already a group, and static analysis finds no read of its parameters from outside it."""
-    from torch import nn
-
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        return []
-    chosen = {id(m) for m in targets}
-    paths = {id(m): p for p, m in model.named_modules()}
-    chosen_paths = [paths[i] for i in chosen if i in paths]
-    wrappers = [
-        (path, module)
-        for path, module in model.named_modules()
-        if path.rsplit(".", 1)[-1] in _BY_NAME
-        and hasattr(module, "weight")
-        and not isinstance(module, (nn.Embedding, nn.Linear))
-        and not any(c == path or c.startswith(path + ".") or path.startswith(c + ".") for c in chosen_paths)
-    ]
-    if not wrappers:
-        return []
-    from fsdp_compat.analysis import find_raw_reads
-
-    events = find_raw_reads(model).events
-
-    def inside(path: str, other: str) -> bool:
-        return other == path or other.startswith(path + ".")
-
-    def unsafe(path: str, e: Any) -> bool:
-        if e.kind == "opaque":  # unreadable code above it may read anything below
-            return e.reader == "" or inside(e.reader, path)
-        if e.kind == "call" and e.owner == path:  # its own forward called: its hooks unshard it
-            return False
-        return inside(path, e.owner) and not inside(path, e.reader)
-
-    return [module for path, module in wrappers if not any(unsafe(path, e) for e in events)]
-
-
 def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
-    """verl >= 0.7.1 ``_select_fsdp2_wrap_targets(model, cls_names, **kw)``: fsdp-compat's flat bottom-up list.
+    """verl >= 0.7.1 ``_select_fsdp2_wrap_targets(model, cls_names, **kw)``: verl's own selection minus what is unsafe.
 
-    Extra keywords (an unmerged upstream change adds ``use_fused_kernels``) are accepted. Under ``auto`` an
-    untied ``lm_head`` whose weight the fused kernels read raw never gets its own group; verl's by-name rule
-    for peft's ``ModulesToSaveWrapper`` is kept where it is safe (:func:`_by_name_wrappers`; a wrapped
-    ``embed_tokens`` is already covered by the embeddings inside it). ``legacy`` reproduces verl's rule.
+    Under ``auto`` the candidates are exactly the release's (verl's own function runs: layer classes, untied
+    ``nn.Embedding``, by-name ``embed_tokens`` / ``lm_head`` with a ``weight``), so text models keep verl's groups;
+    removed are only the modules static analysis shows would crash (GLM4V's raw-read position table) and an
+    ``lm_head`` whose weight verl's fused kernels read raw; children come before parents. Extra keywords (an
+    unmerged upstream change adds ``use_fused_kernels``) are passed through. A wrap list that matches nothing
+    warns and goes on like verl (no exception). ``legacy`` & co reproduce an upstream rule as it is.
     """
 
     @functools.wraps(original)
@@ -209,18 +181,42 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
         model: Any, fsdp_transformer_layer_cls_to_wrap: Iterable[str] | str | None = None, *args: Any, **kwargs: Any
     ) -> list[Any]:
         from fsdp_compat.guard import install_guard
-        from fsdp_compat.plan import select_wrap_targets
         from fsdp_compat.policies import resolve_policy
 
-        targets = select_wrap_targets(model, _layer_names(fsdp_transformer_layer_cls_to_wrap), policy=policy)
-        install_guard(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
+        from ._selection import bottom_up, unmatched, unsafe_targets, warn_unmatched
+
+        names = _layer_names(fsdp_transformer_layer_cls_to_wrap)
+        outdated = unmatched(model, names)
         if not resolve_policy(policy).analyzed:  # legacy & co reproduce an upstream rule as it is
-            return targets
-        targets += _by_name_wrappers(model, targets)  # no group above or below them: order stays bottom-up
+            if outdated is None:
+                from fsdp_compat.plan import select_wrap_targets
+
+                chosen = select_wrap_targets(model, names, policy=policy)
+            else:
+                warn_unmatched("verl", model, outdated, ["verl's own selection"])
+                chosen = list(original(model, names, *args, **kwargs))
+            install_guard(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
+            return chosen
+        targets = list(original(model, names, *args, **kwargs))  # the release's own candidates, exactly
+        why = unsafe_targets(model, targets)
         if _reads_lm_head_raw(model, kwargs.get("use_fused_kernels", False)):
-            heads = {id(m) for m in _output_heads(model)}
-            targets = [m for m in targets if id(m) not in heads]
-        return targets
+            why.update({id(m): "its weight is read raw by verl's fused kernels" for m in _output_heads(model)})
+        kept = bottom_up(model, [m for m in targets if id(m) not in why])
+        paths = {id(m): p for p, m in model.named_modules()}
+        if outdated is not None:
+            warn_unmatched("verl", model, outdated, [paths.get(id(m), "?") for m in kept])
+        dropped = [f"{paths.get(id(m), '?')} ({why[id(m)]})" for m in targets if id(m) in why]
+        if dropped:
+            logger.info(
+                "verl: %s keeps %d of verl's %d FSDP2 groups; in the root group instead: %s",
+                type(model).__name__,
+                len(kept),
+                len(targets),
+                "; ".join(dropped),
+            )
+        # after the analysis (which reads the model's own forwards), before verl's own fully_shard calls
+        install_guard(model)
+        return kept
 
     _select_fsdp2_wrap_targets.__fsdp_compat__ = True  # type: ignore[attr-defined]
     return _select_fsdp2_wrap_targets

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from fsdp_compat._autoload import hooks
+from fsdp_compat._autoload import hooks, warn
 from fsdp_compat.errors import FsdpCompatError
 
 __all__ = ["Applied", "Patch", "Reexport", "Replacement", "apply"]
@@ -135,12 +135,19 @@ class Applied:
             engine.watch(name, ("fsdp-compat patch", id(self)), self._on_import, now=False)
 
     def _on_import(self, module: ModuleType) -> None:
+        """Runs inside the user's import: every step is tried on its own and reported, never raised."""
         with self._lock:
             if not self._active:
                 return
             for rep in [r for r in self.pending if r.module == module.__name__]:
                 self.pending.remove(rep)
-                self.bound.append(_replace(rep, module, self.policy))
+                try:
+                    if not _skipped(rep, module):
+                        self.bound.append(_replace(rep, module, self.policy))
+                except Exception as exc:
+                    message = f"deferred replacement of {rep.target} failed: {type(exc).__name__}: {exc}"
+                    self.warnings.append(message)
+                    warn(message)
             for rec in self.bound:
                 if module.__name__ in rec.replacement.importers:
                     rec.bind(module)

@@ -8,6 +8,7 @@ for the duration of a test. They exercise what no release can yet: the upstream 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import types
 import warnings
@@ -189,7 +190,7 @@ def _adapter(distribution: str, version: str) -> SkyRLAdapter:
     return Pinned()
 
 
-def test_upstream_selector_is_replaced_when_a_release_ships_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_upstream_selector_is_replaced_when_a_release_ships_it(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
     monkeypatch.delenv("FSDP_COMPAT_POLICY", raising=False)
     stand_in = _StandIn(monkeypatch, "skyrl", selector=True)
     strategy = stand_in.import_strategy()
@@ -208,9 +209,14 @@ def test_upstream_selector_is_replaced_when_a_release_ships_it(monkeypatch: pyte
         paths = [next(p for p, m in model.named_modules() if m is c) for c in chosen]
         for i, path in enumerate(paths):  # bottom-up: every descendant of a target comes before it
             assert not any(p.startswith(path + ".") for p in paths[i + 1 :])
-        assert selector(model, "_DecoderLayer") == chosen  # a single name, as a string
-        with pytest.raises(FsdpCompatError, match="matches a module"):
-            selector(model, ["NoSuchLayer"])
+        again = _TinyVLM()  # a fresh model per call, as SkyRL does (the guard is installed on the one it shards)
+        paths_again = [next(p for p, m in again.named_modules() if m is c) for c in selector(again, "_DecoderLayer")]
+        assert paths_again == paths  # a single name, as a string
+        # an outdated wrap list: SkyRL's embeddings rule minus the raw-read table, with one warning, no exception
+        with caplog.at_level(logging.WARNING, logger="fsdp_compat"):
+            outdated = _TinyVLM()
+            assert selector(outdated, ["NoSuchLayer"]) == [outdated.embed_tokens]
+        assert "['NoSuchLayer'] match no module of _TinyVLM" in caplog.text and "_DecoderLayer" in caplog.text
     finally:
         adapter.unpatch()
     assert stand_in.utils.modules_to_wrap_fsdp2 is _upstream_selector
@@ -302,10 +308,11 @@ def test_replacement_keeps_skyrl_signature_and_passes_config_override(monkeypatc
     monkeypatch.setattr(fsdp_compat.apply, "apply_fsdp2", fake_core)
     replacement = make_apply_fsdp2(_upstream_apply, "auto")
     kwargs = {"mesh": "m", "mp_policy": "mp", "offload_policy": None, "reshard_after_forward": True}
-    config = _FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["A"]})
-    assert replacement("model", kwargs, config) is None  # SkyRL's apply_fsdp2 returns nothing
-    assert replacement("model", kwargs, {"wrap_policy": {}}) is None
-    assert calls == [("model", kwargs, ["A"], "auto"), ("model", kwargs, None, "auto")]
+    config = _FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["_DecoderLayer"]})
+    model = _TinyVLM()
+    assert replacement(model, kwargs, config) is None  # SkyRL's apply_fsdp2 returns nothing
+    assert replacement(model, kwargs, {"wrap_policy": {}}) is None
+    assert calls == [(model, kwargs, ["_DecoderLayer"], "auto"), (model, kwargs, None, "auto")]
 
 
 def test_module_api() -> None:

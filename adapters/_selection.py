@@ -1,0 +1,169 @@
+"""What every adapter does with the framework's own selection: keep it, minus what is unsafe; never crash a job.
+
+The adapters start from exactly the modules the framework release would give their own FSDP2 group and remove
+only those that static analysis shows would crash (a parameter read raw outside the module's forward, unreadable
+code above it, a parameter shared with a module outside it). So a text model keeps exactly the framework's groups.
+
+A wrap list that matches no module of the model (an outdated ``fsdp_config.wrap_policy.transformer_layer_cls_to_wrap``)
+is not an error in adapter context, because the framework itself trains with it (sharding only what its other
+rules pick): one warning names the classes and the model's repeated block classes, and the job goes on with the
+framework's selection minus what is unsafe. The direct API (``plan_wrap``, ``apply_fsdp2``) keeps raising.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from fsdp_compat.activation import logger
+
+__all__ = [
+    "bottom_up",
+    "outdated_fallback",
+    "repeated_block_classes",
+    "unmatched",
+    "unsafe_targets",
+    "untied_embeddings",
+    "warn_unmatched",
+]
+
+_warned: set[tuple[str, str, tuple[str, ...]]] = set()
+_lock = threading.Lock()
+
+
+def unmatched(model: Any, names: Iterable[str] | None) -> list[str] | None:
+    """The configured layer class names when none of them matches a module of ``model`` (else None)."""
+    if not names:
+        return None
+    wanted = sorted({str(n) for n in names})
+    present = {type(m).__name__ for m in model.modules()}
+    return None if set(wanted) & present else wanted
+
+
+def repeated_block_classes(model: Any) -> list[str]:
+    """Classes that repeat inside a ``ModuleList`` (the decoder / vision blocks), plus ``_no_split_modules``."""
+    from torch import nn
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    repeated = {name for name, n in counts.items() if n >= 2}
+    declared = getattr(model, "_no_split_modules", None) or ()
+    repeated |= {n for n in declared if isinstance(n, str)}
+    return sorted(repeated)
+
+
+def warn_unmatched(framework: str, model: Any, names: list[str], kept: list[str]) -> None:
+    """One warning per process, model class and wrap list: what matched nothing and what is sharded instead."""
+    key = (framework, type(model).__name__, tuple(names))
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    blocks = repeated_block_classes(model)
+    logger.warning(
+        "%s: the layer classes to wrap %s match no module of %s (fsdp_config.wrap_policy."
+        "transformer_layer_cls_to_wrap is outdated?); its repeated block classes are %s. Going on as %s does "
+        "without them: sharding %s (what %s selects, minus what is unsafe), the rest stays in the root group. "
+        "Set transformer_layer_cls_to_wrap to the block classes (or leave it unset) to shard the layers.",
+        framework,
+        names,
+        type(model).__name__,
+        ", ".join(blocks) or "none found",
+        framework,
+        ", ".join(kept) or "nothing",
+        framework,
+    )
+
+
+def _inside(path: str, other: str) -> bool:
+    """``other`` is ``path`` or below it."""
+    return not path or other == path or other.startswith(path + ".")
+
+
+def _breaks(event: Any, path: str) -> bool:
+    """Whether ``event`` (static evidence) touches the parameters of ``path`` while its group would be sharded."""
+    if event.kind == "opaque":  # unreadable code above it may read anything below
+        return event.reader != path and _inside(event.reader, path)
+    if event.kind == "call":  # a child's forward called from outside: the group's own hooks never run
+        return event.owner != path and _inside(path, event.owner) and not _inside(path, event.reader)
+    return _inside(path, event.owner) and not _inside(path, event.reader)
+
+
+def unsafe_targets(model: Any, targets: list[Any]) -> dict[int, str]:
+    """id(target) -> why it cannot own a group: read raw from outside its forward, unreadable code above it, or
+    a parameter shared with a module outside it (static evidence; the framework's own rule ignores all three)."""
+    from fsdp_compat.analysis import find_raw_reads
+
+    paths = {id(m): p for p, m in model.named_modules()}
+    chosen = [(id(t), paths[id(t)]) for t in targets if id(t) in paths]
+    if not chosen:
+        return {}
+    events = find_raw_reads(model).events
+    holders: dict[int, set[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), set()).add(path)
+    why: dict[int, str] = {}
+    for ident, path in chosen:
+        hit = next((e for e in events if _breaks(e, path)), None)
+        if hit is not None:
+            why[ident] = hit.describe()
+        if ident in why:
+            continue
+        for owners in holders.values():
+            inside = {o for o in owners if _inside(path, o)}
+            if inside and inside != owners:
+                why[ident] = f"a parameter of {path} is shared with {sorted(owners - inside)[0] or '<root>'}"
+                break
+    return why
+
+
+def bottom_up(model: Any, targets: list[Any]) -> list[Any]:
+    """``targets`` in the framework's order, except that a module's descendants in the list move right before it
+    (``fully_shard`` needs children first; verl's list can put a peft wrapper before the embedding inside it)."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    done: set[int] = set()
+    out: list[Any] = []
+
+    def emit(target: Any) -> None:
+        if id(target) in done:
+            return
+        done.add(id(target))
+        path = paths.get(id(target))
+        if path is not None:
+            for other in targets:
+                other_path = paths.get(id(other))
+                if other is not target and other_path is not None and _inside(path, other_path) and other_path != path:
+                    emit(other)
+        out.append(target)
+
+    for target in targets:
+        emit(target)
+    return out
+
+
+def untied_embeddings(model: Any) -> list[Any]:
+    """What verl 0.4-0.7.0 and every SkyRL release select when no layer class matches: each ``nn.Embedding``
+    when ``model.config.tie_word_embeddings`` is false."""
+    from torch import nn
+
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return []
+    return [m for m in model.modules() if isinstance(m, nn.Embedding)]
+
+
+def outdated_fallback(framework: str, model: Any, outdated: list[str], analyzed: bool) -> list[Any]:
+    """The modules to shard when the wrap list matched nothing: the framework's embeddings rule, minus what is
+    unsafe under an analyzed policy (``legacy`` & co keep the framework's choice as it is), children first."""
+    targets = untied_embeddings(model)
+    if analyzed:
+        why = unsafe_targets(model, targets)
+        targets = [m for m in targets if id(m) not in why]
+    targets = bottom_up(model, targets)
+    paths = {id(m): p for p, m in model.named_modules()}
+    warn_unmatched(framework, model, outdated, [paths.get(id(m), "?") for m in targets])
+    return targets

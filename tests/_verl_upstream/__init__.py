@@ -1,0 +1,1 @@
+"""Upstream frameworks' test files, vendored unchanged with their licence headers, run against the adapters."""
