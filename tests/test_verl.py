@@ -170,6 +170,18 @@ def test_policy_env_reaches_the_adapter() -> None:
     assert not result.ok and GRID_SAMPLER_CRASH in (result.exception or ""), result.error
 
 
+@pytest.mark.slow
+def test_guard_turns_the_legacy_crash_into_parity_inside_verl() -> None:
+    """The run-time guard is on in the adapter: verl's own rule (legacy) through verl's own FSDP2 code, where 0.7.1+
+    calls fully_shard itself after fsdp-compat's selector, trains with exact parity instead of the crash above."""
+    env = {**NO_HOOKS, "FSDP_COMPAT_POLICY": "legacy" if _since(">=0.7.1") else "legacy-skyrl"}
+    result = _train("glm4v", "wrap_external_lib", env)
+    _assert_parity(result, "external_lib")
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
+    logs = [rank.extra.get("log_tail", "") for rank in result.ranks]
+    assert all("run-time guard: model.visual.embeddings.position_embedding.weight was read" in log for log in logs)
+
+
 # ------------------------------------------------------------------------------------------ fused kernels
 
 
