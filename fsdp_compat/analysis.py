@@ -173,6 +173,18 @@ class _Opaque(Exception):
 
 
 def _source_function(func: Any) -> types.FunctionType:
+    try:
+        return _source_function_cached(func)
+    except TypeError:  # unhashable callable
+        return _source_function_uncached(func)
+
+
+@functools.lru_cache(maxsize=8192)
+def _source_function_cached(func: Any) -> types.FunctionType:
+    return _source_function_uncached(func)
+
+
+def _source_function_uncached(func: Any) -> types.FunctionType:
     func = inspect.unwrap(func)
     if isinstance(func, (staticmethod, classmethod)):
         func = func.__func__
@@ -857,7 +869,8 @@ def _held(obj: Any, tree: ModuleTree, depth: int = _SCAN_DEPTH, seen: set[int] |
         parts += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
     found: list[Any] = []
     for part in parts:
-        found.extend(_held(part, tree, depth - 1, seen))
+        if not isinstance(part, (*_SCALARS, torch.Tensor)):
+            found.extend(_held(part, tree, depth - 1, seen))
     return found
 
 
@@ -909,11 +922,29 @@ class Analysis:
 Bindings = dict[str, tuple[Any, ...]]
 
 
-@dataclass(frozen=True)
 class _Site:
-    reader: str
-    before: frozenset[str]  # module paths whose forward ran before, on every path
-    where: str
+    """Who runs the code at a use, what ran before it on every path, and where it is (both computed lazily)."""
+
+    __slots__ = ("_before", "_where", "reader")
+
+    def __init__(self, reader: str, before: Any, where: Any) -> None:
+        self.reader = reader
+        self._before = before  # a frozenset, or (entry set, called map, use) to union on demand
+        self._where = where  # a string, or (facts, lineno)
+
+    @property
+    def before(self) -> frozenset[str]:
+        if not isinstance(self._before, frozenset):
+            entry, called, use = self._before
+            self._before = entry.union(*(called.get(i, frozenset()) for i in use.before)) if use else entry
+        return self._before
+
+    @property
+    def where(self) -> str:
+        if not isinstance(self._where, str):
+            facts, lineno = self._where
+            self._where = f"{facts.filename.rsplit('/', 1)[-1]}:{lineno} in {facts.qualname}"
+        return self._where
 
 
 class _Analyzer:
@@ -1070,10 +1101,8 @@ class _Analyzer:
 
     def _site(self, facts: _FunctionFacts, reader: str, before: frozenset[str], called: dict[int, frozenset[str]],
               use: _Use | None) -> _Site:
-        filename = facts.filename.rsplit("/", 1)[-1]
         lineno = use.lineno if use is not None else facts.lineno_offset + 1
-        after = before.union(*(called.get(i, frozenset()) for i in use.before)) if use is not None else before
-        return _Site(reader, after, f"{filename}:{lineno} in {facts.qualname}")
+        return _Site(reader, (before, called, use), (facts, lineno))
 
     def _targets(self, refs: Refs, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
                  returned: dict[int, list[Any]], site: _Site) -> list[_Resolved]:
