@@ -18,6 +18,7 @@ where they differ it warns once and stands aside, leaving FSDP2's own behaviour.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from fsdp_compat.tree import ModuleTree
 
 __all__ = ["ENV_GUARD", "Guard", "GuardEvent", "guard_enabled", "guard_of", "install_guard"]
 
@@ -314,7 +317,7 @@ class Guard:
         parameter = f"{holder}.{fp._module_info.param_name}" if holder else fp._module_info.param_name
         members = [self._paths.get(id(m), "?") for m in group.modules]
         name = " + ".join(m or "<root>" for m in members)
-        owner = next((m for m in members if _inside(holder, m)), members[0])  # the group member holding it
+        owner = next((m for m in members if ModuleTree.is_ancestor_or_self(m, holder)), members[0])  # holds it
         where, reader = self._reading_site()
         advice = _advice(owner, reader, forward_ran=bool(getattr(group, "_post_forward_indices", None)))
         nbytes = sum(p.unsharded_param.numel() * p.unsharded_param.element_size() for p in group.fsdp_params)
@@ -399,18 +402,9 @@ def _advice(owner: str, reader: str, *, forward_ran: bool) -> str:
     return ", or ".join(parts)
 
 
-def _inside(path: str, ancestor: str) -> bool:
-    return not ancestor or path == ancestor or path.startswith(ancestor + ".")
-
-
 def _common_ancestor(a: str, b: str) -> str:
-    left, right = a.split(".") if a else [], b.split(".") if b else []
-    common: list[str] = []
-    for x, y in zip(left, right, strict=False):
-        if x != y:
-            break
-        common.append(x)
-    return ".".join(common)
+    pairs = itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a.split("."), b.split("."), strict=False))
+    return ".".join(x for x, _ in pairs)
 
 
 def _fmt_bytes(n: float) -> str:
