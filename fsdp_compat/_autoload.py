@@ -118,6 +118,9 @@ ADAPTERS: dict[str, AdapterEntry] = {
             "skyrl": ("skyrl.backends.skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.5"),
         },
     ),
+    "transformers": AdapterEntry(
+        "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.25")}
+    ),
 }
 
 

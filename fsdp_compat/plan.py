@@ -75,6 +75,12 @@ class WrapPlan:
     def group_paths(self) -> list[tuple[str, ...]]:
         return [g.paths for g in self.groups]
 
+    def to_transformers_fsdp_plan(self, model: nn.Module | None = None, *, strict: bool = False) -> dict[str, str]:
+        """This plan as transformers' ``DistributedConfig(fsdp_plan=...)``; limits in :mod:`fsdp_compat.export`."""
+        from fsdp_compat.export import to_transformers_fsdp_plan
+
+        return to_transformers_fsdp_plan(self, model, strict=strict)
+
     def per_rank_bytes(self, world_size: int) -> dict[str, int]:
         """Analytic per-rank parameter bytes: at rest (all sharded) and at the forward peak.
 

@@ -1,0 +1,200 @@
+"""transformers adapter: the native FSDP2 of ``from_pretrained(..., distributed_config=DistributedConfig(...))``.
+
+transformers shards a model while loading it. The plan (``base_model_fsdp_plan``, the head's ``_fsdp_plan``, the
+user's ``DistributedConfig(fsdp_plan=...)`` merged on top) maps module paths to ``"free_full_weight"``
+(``reshard_after_forward=True``) or ``"keep_full_weight"`` (``False``); each entry gets its own ``fully_shard``, a kept
+(final norm, head) pair one together, then the root. What is replaced, per release:
+
+================  ==============================================================================================
+transformers      replaced in ``transformers.distributed.fsdp``
+================  ==============================================================================================
+5.23.0 - 5.24.x   ``apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan)`` (the resolved,
+                  expanded plan arrives as an argument; rebound in ``transformers.distributed.mixin``)
+5.16.1 - 5.22.x   ``expand_fsdp_plan(model, fsdp_plan)`` (the function that turns the plan into the target lists;
+                  ``apply_fully_sharded_data_parallelism`` looks it up at call time)
+================  ==============================================================================================
+
+5.24.0 is tested end to end; 5.23.0's ``fsdp.py`` is identical to 5.24.0's, and 5.16.1 - 5.22.x were read, not run.
+
+Some plans crash: untied Gemma4 reads ``embed_tokens.weight[pad_token_id]`` after that group resharded
+(``aten.where.self got mixed torch.Tensor and DTensor``); a user plan listing GLM4V's
+``model.visual.embeddings.position_embedding`` hands a sharded table to ``F.grid_sample``. The replacement checks
+the plan against the planner's evidence first (:func:`fix_fsdp_plan`, via :mod:`fsdp_compat.repair`): an entry whose
+parameters are read while sharded becomes ``keep_full_weight`` when that covers every read (reads after its own
+forward), and is otherwise dropped, so its parameters join the enclosing group; modules that hold (or will hold,
+``all_tied_weights_keys``) one Parameter end up in one group. Every change is logged (``fsdp-compat: ...``); safe
+plans pass through untouched, and transformers' own function applies the result. Policies that reproduce upstream
+rules (``FSDP_COMPAT_POLICY=legacy`` & co) leave the plan as transformers made it.
+
+Activation: the installed ``.pth`` hook when ``transformers.distributed.fsdp`` is imported (``from_pretrained``
+imports it), or ``import fsdp_compat.adapters.transformers``; ``FSDP_COMPAT=off`` disables both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import
+from fsdp_compat.repair import Change, ForeignGroup, repair_groups
+
+__all__ = [
+    "ADAPTER",
+    "FREE",
+    "FSDP_MODULE",
+    "KEEP",
+    "RELEASES",
+    "TransformersAdapter",
+    "fix_fsdp_plan",
+    "is_patched",
+    "make_apply_fully_sharded_data_parallelism",
+    "make_expand_fsdp_plan",
+    "patch",
+    "plan_groups",
+    "unpatch",
+]
+
+FSDP_MODULE = "transformers.distributed.fsdp"
+MIXIN_MODULE = "transformers.distributed.mixin"  # binds apply_fully_sharded_data_parallelism by name
+FREE, KEEP = "free_full_weight", "keep_full_weight"
+
+PairTest = Callable[[list[tuple[str, Any]], Any], bool]
+
+
+def _never_pair(_targets: list[tuple[str, Any]], _model: Any) -> bool:
+    return False
+
+
+def plan_groups(model: Any, fsdp_plan: Mapping[str, str], is_pair: PairTest = _never_pair) -> list[ForeignGroup]:
+    """The ``fully_shard`` calls transformers makes for ``fsdp_plan``: each entry alone, except the kept
+    (final norm, head) pair that ``is_pair`` (transformers' ``is_norm_and_head_pair``) bundles into one group."""
+    keep = [(name, model.get_submodule(name)) for name, style in fsdp_plan.items() if style == KEEP]
+    groups = [ForeignGroup((name,)) for name, style in fsdp_plan.items() if style != KEEP]
+    if keep and is_pair(keep, model):
+        groups.append(ForeignGroup(tuple(name for name, _ in keep), reshard_after_forward=False))
+    else:
+        groups.extend(ForeignGroup((name,), reshard_after_forward=False) for name, _ in keep)
+    return groups
+
+
+def tied_module_sets(model: Any) -> list[tuple[str, ...]]:
+    """Module paths whose weights transformers ties after sharding (``all_tied_weights_keys``: target -> source)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    sets: dict[str, set[str]] = {}
+    for target, source in dict(tied).items():
+        a, b = str(target).rpartition(".")[0], str(source).rpartition(".")[0]
+        sets.setdefault(b, {b}).add(a)
+    return [tuple(sorted(s)) for s in sets.values()]
+
+
+def fix_fsdp_plan(
+    model: Any, fsdp_plan: Mapping[str, str], is_pair: PairTest = _never_pair
+) -> tuple[dict[str, str], list[Change]]:
+    """``fsdp_plan`` made safe for ``model``, in its order, and the changes; a safe plan comes back equal.
+
+    Repeats until transformers' grouping of the result (which can bundle the kept tail differently once an entry
+    changed style) is itself safe.
+    """
+    plan = dict(fsdp_plan)
+    changes: list[Change] = []
+    tied = tied_module_sets(model)
+    for _ in range(len(plan) + 1):
+        groups = plan_groups(model, plan, is_pair)
+        kept, step = repair_groups(model, groups, sharers=tied)
+        if not step:
+            break
+        changes.extend(step)
+        style = {path: (FREE if g.reshard_after_forward else KEEP) for g in kept for path in g.paths}
+        plan = {name: style[name] for name in plan if name in style}
+    return plan, changes
+
+
+def _is_rank_zero() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+    except Exception:  # pragma: no cover - torch without distributed
+        return True
+
+
+def _fixed(model: Any, fsdp_plan: dict[str, str], original: Callable[..., Any], policy: str) -> dict[str, str]:
+    """The plan to apply under ``policy``, each change logged once (rank 0); transformers' own pairing rule is read
+    from the module that defines ``original``."""
+    import sys
+
+    from fsdp_compat.activation import logger
+    from fsdp_compat.policies import resolve_policy
+
+    if not fsdp_plan or not resolve_policy(policy).analyzed:
+        return fsdp_plan
+    is_pair = getattr(sys.modules.get(original.__module__), "is_norm_and_head_pair", _never_pair)
+    fixed, changes = fix_fsdp_plan(model, fsdp_plan, is_pair)
+    if _is_rank_zero():
+        for change in changes:
+            logger.warning("fsdp-compat: %s fsdp_plan: %s", type(model).__name__, change.describe())
+    return fixed
+
+
+def make_apply_fully_sharded_data_parallelism(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    """transformers' ``apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan)`` applied to
+    the plan :func:`fix_fsdp_plan` returns (``legacy`` & co: the plan as it is)."""
+
+    @functools.wraps(original)
+    def apply_fully_sharded_data_parallelism(
+        model: Any, mesh_manager: Any, fsdp_plan: dict[str, str], *args: Any, **kwargs: Any
+    ) -> Any:
+        return original(model, mesh_manager, _fixed(model, fsdp_plan, original, policy), *args, **kwargs)
+
+    apply_fully_sharded_data_parallelism.__fsdp_compat__ = True  # type: ignore[attr-defined]
+    return apply_fully_sharded_data_parallelism
+
+
+def make_expand_fsdp_plan(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+    """transformers 5.16 - 5.22 ``expand_fsdp_plan(model, fsdp_plan) -> (reshard targets, no-reshard targets)``,
+    each a list of ``(path, module)``, with the targets of :func:`fix_fsdp_plan` (a fixed entry may change list)."""
+
+    @functools.wraps(original)
+    def expand_fsdp_plan(model: Any, fsdp_plan: Any, *args: Any, **kwargs: Any) -> Any:
+        reshard, no_reshard = original(model, fsdp_plan, *args, **kwargs)
+        concrete = {name: FREE for name, _ in reshard} | {name: KEEP for name, _ in no_reshard}
+        fixed = _fixed(model, concrete, original, policy)
+        targets = [*reshard, *no_reshard]
+        return (
+            [(n, m) for n, m in targets if fixed.get(n) == FREE],
+            [(n, m) for n, m in targets if fixed.get(n) == KEEP],
+        )
+
+    expand_fsdp_plan.__fsdp_compat__ = True  # type: ignore[attr-defined]
+    return expand_fsdp_plan
+
+
+# --------------------------------------------------------------------------------------------- release table
+
+RELEASES: tuple[Release, ...] = (
+    Release(
+        ">=5.23.0",
+        (
+            Replacement(
+                FSDP_MODULE,
+                "apply_fully_sharded_data_parallelism",
+                make_apply_fully_sharded_data_parallelism,
+                (MIXIN_MODULE,),
+            ),
+        ),
+    ),
+    Release(">=5.16.1,<5.23.0", (Replacement(FSDP_MODULE, "expand_fsdp_plan", make_expand_fsdp_plan),)),
+)
+
+
+class TransformersAdapter(Adapter):
+    """transformers 5.16.1 - 5.24.x: the plan of ``from_pretrained(..., distributed_config=...)`` made safe."""
+
+    key = "transformers"
+    releases = RELEASES
+
+
+ADAPTER = TransformersAdapter()
+patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
+activate_on_import(ADAPTER)

@@ -1,0 +1,213 @@
+"""transformers' native FSDP2 on W gloo ranks: ``from_pretrained(dir, distributed_config=...)`` vs one process.
+
+The user's real path in transformers >= 5.2x: a checkpoint directory, ``DistributedConfig(fsdp_size=W[,
+fsdp_plan=...])``, and transformers applies its own FSDP2 plan while loading. :func:`run_native` saves nothing
+itself; :func:`save_tiny` writes a tiny real model with ``save_pretrained``. Each rank is a fresh interpreter (so the
+``.pth`` hook, or ``FSDP_COMPAT=off``, behaves as in a real launch), loads the checkpoint twice (sharded by
+transformers, and unsharded as the single-process reference), trains both for ``steps`` AdamW steps on the same
+batch and reports the largest gradient and parameter differences. Process handling is the harness's
+(:func:`~fsdp_compat.testing.harness.run_ranks`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fsdp_compat.testing.harness import RankResult, RunResult, _Diff, _full, run_ranks
+
+__all__ = ["GLM4V_USER_PLAN", "TINY", "build_tiny", "run_native", "save_tiny", "tiny_batch", "train_native"]
+
+#: GLM4V plan entry that a user adds to shard the vision position table on its own (crashes in grid_sample).
+GLM4V_USER_PLAN = {"model.visual.embeddings.position_embedding": "free_full_weight"}
+
+
+def _gemma4() -> Any:
+    """Gemma4ForConditionalGeneration, text only, untied, with per-layer inputs (PLE): 101,200 parameters."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=32,
+        max_position_embeddings=256,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=16,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    special = dict(
+        image_token_id=120,
+        video_token_id=121,
+        audio_token_id=122,
+        boi_token_id=123,
+        eoi_token_id=124,
+        boa_token_id=125,
+        eoa_token_index=126,
+    )
+    config = Gemma4Config(text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=False, **special)
+    config._attn_implementation = "eager"
+    return Gemma4ForConditionalGeneration(config)
+
+
+def _zoo(name: str) -> Callable[[], Any]:
+    def build() -> Any:
+        from fsdp_compat.testing.zoo import _BUILDERS
+
+        return _BUILDERS[name]()
+
+    return build
+
+
+#: name -> (builder, transformers class name that loads the checkpoint, zoo batch name)
+TINY: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "gemma4": (_gemma4, "Gemma4ForConditionalGeneration", "qwen2"),
+    "glm4v": (_zoo("glm4v"), "Glm4vForConditionalGeneration", "glm4v"),
+    "qwen2": (_zoo("qwen2"), "Qwen2ForCausalLM", "qwen2"),
+}
+
+
+def build_tiny(name: str, *, seed: int = 0) -> Any:
+    """A tiny model of :data:`TINY`, fp32, weights a function of ``seed`` only."""
+    import torch
+
+    if name not in TINY:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TINY[name][0]()
+    return model.float()
+
+
+def save_tiny(name: str, directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """``save_pretrained`` a tiny model into ``directory/name`` and return that path."""
+    path = Path(directory) / name
+    build_tiny(name, seed=seed).save_pretrained(path)
+    return path
+
+
+def tiny_batch(name: str, *, seed: int = 0) -> dict[str, Any]:
+    """The zoo's batch for the model family (text rows, or GLM4V rows with two images)."""
+    from fsdp_compat.testing.zoo import make_batch
+
+    return make_batch(TINY[name][2], seed=seed)
+
+
+def run_native(
+    name: str,
+    model_dir: str | os.PathLike[str],
+    *,
+    fsdp_plan: dict[str, str] | None = None,
+    world_size: int = 2,
+    steps: int = 2,
+    timeout_s: float = 120.0,
+    env: dict[str, str | None] | None = None,
+) -> RunResult:
+    """Load ``model_dir`` with ``DistributedConfig(fsdp_size=world_size, fsdp_plan=fsdp_plan)`` on fresh gloo ranks
+    and train it ``steps`` AdamW steps next to an unsharded copy; each rank's ``extra`` holds the applied groups."""
+    cfg = {"name": name, "model_dir": str(model_dir), "fsdp_plan": fsdp_plan, "steps": steps}
+    return run_ranks(f"{__name__}:train_native", cfg, world_size=world_size, timeout_s=timeout_s, env=env)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rank side
+
+
+def init_gloo(cfg: dict[str, Any], rank: int) -> None:
+    """The process group transformers expects to exist (it only creates one from RANK/WORLD_SIZE itself)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=cfg["world_size"],
+        timeout=timedelta(seconds=cfg["timeout_s"]),
+    )
+
+
+def fsdp_groups(model: Any) -> list[list[str]]:
+    """The FSDP2 groups as module paths (``fully_shard([a, b])`` is one entry with both; "" is the root)."""
+    from fsdp_compat.testing.harness import _fsdp_group_sets
+
+    return _fsdp_group_sets(model)
+
+
+def train_against_reference(model: Any, reference: Any, batch: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``steps`` AdamW steps of ``model`` (sharded) and ``reference`` (one process) on ``batch``; the worst
+    relative and absolute gradient/parameter differences (full tensors gathered: every rank calls this)."""
+    import torch
+
+    for m in (model, reference):
+        m.train()
+        for module in m.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    ref_params = dict(reference.named_parameters())
+    grads, params = _Diff(), _Diff()
+    losses: list[float] = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        ref_loss = reference(**batch).loss
+        ref_loss.backward()
+        named = list(model.named_parameters())
+        with torch.no_grad():
+            for pname, p in named:
+                grads.add(pname, _full(p.grad), ref_params[pname].grad)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for pname, p in named:
+                params.add(pname, _full(p), ref_params[pname])
+        losses.append(float(loss.detach()))
+    return {
+        "losses": losses,
+        "max_abs_grad_diff": grads.abs,
+        "max_rel_grad_diff": grads.rel,
+        "max_abs_param_diff": params.abs,
+        "max_rel_param_diff": params.rel,
+        "worst": params.where or grads.where,
+    }
+
+
+def train_native(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
+    import torch
+    import transformers
+
+    init_gloo(cfg, rank)
+    cls = getattr(transformers, TINY[cfg["name"]][1])
+    distributed = transformers.DistributedConfig(fsdp_size=cfg["world_size"], fsdp_plan=cfg["fsdp_plan"])
+    load = {"dtype": torch.float32, "attn_implementation": "eager"}
+    model = cls.from_pretrained(cfg["model_dir"], distributed_config=distributed, **load)
+    extra["fsdp_groups"] = fsdp_groups(model)
+    reference = cls.from_pretrained(cfg["model_dir"], **load)
+    result = train_against_reference(model, reference, tiny_batch(cfg["name"]), cfg["steps"])
+    extra["worst_param"] = result.pop("worst")
+    return RankResult(rank=rank, ok=True, extra=extra, **result)
+
+
+def describe(run: RunResult) -> str:
+    """One line: the crash, or the parity figures."""
+    if not run.ok:
+        return f"crash: {run.exception}"
+    return f"exact: Δgrad={run.max_rel_grad_diff:.3g} Δparam={run.max_rel_param_diff:.3g} ({run.seconds:.1f}s)"

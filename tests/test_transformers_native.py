@@ -1,0 +1,203 @@
+"""transformers' native FSDP2: ``from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=2))``.
+
+Each distributed case first reproduces the real crash with fsdp-compat switched off (``FSDP_COMPAT=off``: the
+``.pth`` hook stays out), then trains the same checkpoint with fsdp-compat installed (the hook patches
+``transformers.distributed.fsdp`` the moment ``from_pretrained`` imports it) at exact parity with one process: fp32,
+the same batch on both gloo ranks, 2 AdamW steps. Checkpoints are tiny real models written by ``save_pretrained``.
+Runs in the ``hf524`` tox env (``FSDP_COMPAT_REQUIRE=transformers``: a missing piece fails, never skips).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+REQUIRED = "transformers" in os.environ.get("FSDP_COMPAT_REQUIRE", "").replace(",", " ").split()
+try:
+    transformers = importlib.import_module("transformers")
+    fsdp_module = importlib.import_module("transformers.distributed.fsdp")
+except ImportError as exc:  # transformers < 5.16 (the core env): no native FSDP2
+    if REQUIRED:
+        pytest.fail(f"transformers' native FSDP2 is missing: {exc} (FSDP_COMPAT_REQUIRE=transformers)", pytrace=False)
+    pytest.skip(f"transformers' native FSDP2 is missing: {exc}", allow_module_level=True)
+
+from fsdp_compat.adapters import transformers as adapter  # noqa: E402
+
+from fsdp_compat.errors import FsdpCompatError  # noqa: E402
+from fsdp_compat.plan import plan_wrap  # noqa: E402
+from fsdp_compat.testing.harness import PARITY_TOL  # noqa: E402
+from fsdp_compat.testing.transformers_smoke import (  # noqa: E402
+    GLM4V_USER_PLAN,
+    build_tiny,
+    run_native,
+    save_tiny,
+)
+from fsdp_compat.testing.zoo import build_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+OFF = {"FSDP_COMPAT": "off"}
+ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: save_tiny(name, root) for name in ("gemma4", "glm4v")}
+
+
+def resolved_plan(model, override=None) -> dict[str, str]:
+    """The concrete plan transformers hands to apply_fully_sharded_data_parallelism (no process group needed)."""
+    _, _, plan = model._resolve_parallel_plans(transformers.DistributedConfig(fsdp_size=2, fsdp_plan=override))
+    return plan
+
+
+def assert_exact(run) -> None:
+    run.raise_for_error()
+    assert run.max_rel_grad_diff <= PARITY_TOL, run.ranks[0].extra
+    assert run.max_rel_param_diff <= PARITY_TOL, run.ranks[0].extra
+
+
+def fsdp_compat_lines(run) -> list[str]:
+    return [line for line in run.ranks[0].extra.get("log_tail", "").splitlines() if "fsdp_plan:" in line]
+
+
+# ------------------------------------------------------------------------------------ through from_pretrained
+
+
+def test_gemma4_builtin_plan_crashes_without_fsdp_compat(checkpoints):
+    run = run_native("gemma4", checkpoints["gemma4"], env=OFF)
+    assert not run.ok
+    assert "aten.where.self got mixed torch.Tensor and DTensor" in (run.exception or ""), run.error
+
+
+def test_gemma4_builtin_plan_exact_with_fsdp_compat(checkpoints):
+    run = run_native("gemma4", checkpoints["gemma4"], env=ON)
+    assert_exact(run)
+    groups = run.ranks[0].extra["fsdp_groups"]
+    assert ["model.language_model.embed_tokens"] not in groups
+    assert ["model.language_model.layers.0"] in groups and ["model.language_model.norm"] in groups
+    (line,) = fsdp_compat_lines(run)
+    assert line.startswith("fsdp-compat: Gemma4ForConditionalGeneration fsdp_plan: model.language_model.embed_tokens")
+
+
+def test_glm4v_user_plan_crashes_without_fsdp_compat(checkpoints):
+    run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=GLM4V_USER_PLAN, env=OFF)
+    assert not run.ok
+    assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in (run.exception or ""), run.error
+
+
+def test_glm4v_user_plan_exact_with_fsdp_compat(checkpoints):
+    run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=GLM4V_USER_PLAN, env=ON)
+    assert_exact(run)
+    groups = run.ranks[0].extra["fsdp_groups"]
+    assert ["model.visual.embeddings.position_embedding"] not in groups
+    assert ["model.language_model.embed_tokens"] in groups  # the safe rest of the plan is kept
+    (line,) = fsdp_compat_lines(run)
+    assert "model.visual.embeddings.position_embedding: no group of its own" in line
+
+
+def test_exported_plan_trains_exact_through_transformers_alone(checkpoints):
+    """``plan_wrap(...).to_transformers_fsdp_plan()`` passed by the user, fsdp-compat's adapter switched off."""
+    model = build_tiny("glm4v")
+    exported = plan_wrap(model).to_transformers_fsdp_plan(model)
+    assert exported["model.visual.blocks.*"] == "free_full_weight"
+    assert not any("position_embedding" in key for key in exported)
+    run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=exported, env=OFF)
+    assert_exact(run)
+    assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
+
+
+# --------------------------------------------------------------------------------------- the plan fixer alone
+
+
+@pytest.mark.parametrize("name", ["qwen2", "glm4v", "glm4v-tied"])
+def test_safe_builtin_plans_are_left_untouched(name):
+    model = build_model(name)
+    plan = resolved_plan(model)
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert changes == []
+    assert fixed == plan and list(fixed) == list(plan)
+
+
+def test_read_after_forward_becomes_keep_full_weight():
+    """qwen2-zloss reads lm_head.weight after calling lm_head: keeping it unsharded covers the read."""
+    model = build_model("qwen2-zloss")
+    plan = resolved_plan(model, {"lm_head": "free_full_weight"})
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert fixed == {**plan, "lm_head": "keep_full_weight"}
+    assert [(c.paths, c.action) for c in changes] == [(("lm_head",), "keep-full-weight")]
+
+
+def test_raw_read_before_forward_is_dropped_not_kept():
+    """A fused-kernel style read of lm_head.weight in the root, lm_head never called: only the root covers it."""
+    model = build_model("qwen2-fused-lmhead")
+    plan = resolved_plan(model)
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert "lm_head" not in fixed and fixed["model.norm"] == "keep_full_weight"
+    assert changes[0].action == "dropped" and changes[0].now_in == "<root>"
+
+
+def test_shared_weight_stays_in_one_group():
+    """T5: shared, encoder.embed_tokens and decoder.embed_tokens hold one weight (tied after sharding)."""
+    model = build_model("t5-shared")
+    plan = resolved_plan(model)
+    assert {"encoder.embed_tokens", "decoder.embed_tokens"} <= set(plan)
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert "encoder.embed_tokens" not in fixed and "decoder.embed_tokens" not in fixed
+    assert all("hold one Parameter" in c.why for c in changes)
+
+
+def test_legacy_policy_passes_the_plan_through():
+    model = build_tiny("gemma4")
+    plan = resolved_plan(model)
+    seen: list[dict[str, str]] = []
+
+    def original(model, mesh_manager, fsdp_plan, ep_plan):
+        seen.append(fsdp_plan)
+        return model
+
+    original.__module__ = fsdp_module.__name__
+    adapter.make_apply_fully_sharded_data_parallelism(original, "legacy")(model, None, plan, {})
+    adapter.make_apply_fully_sharded_data_parallelism(original, "auto")(model, None, plan, {})
+    assert seen[0] == plan
+    assert "model.language_model.embed_tokens" not in seen[1]
+
+
+def test_adapter_replaced_the_function_in_both_modules():
+    """Importing transformers' FSDP module (the .pth hook) patched the definer and the mixin's by-name binding."""
+    from transformers.distributed import mixin
+
+    assert adapter.is_patched()
+    assert getattr(fsdp_module.apply_fully_sharded_data_parallelism, "__fsdp_compat__", False)
+    assert mixin.apply_fully_sharded_data_parallelism is fsdp_module.apply_fully_sharded_data_parallelism
+
+
+# ------------------------------------------------------------------------------------------------ the export
+
+
+def test_export_leaves_out_multi_module_groups_with_a_warning():
+    model = build_model("t5-shared")
+    plan = plan_wrap(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = plan.to_transformers_fsdp_plan(model)
+    assert exported["encoder.block.*"] == "free_full_weight"
+    assert not any("embed_tokens" in key or key == "shared" for key in exported)
+    assert any("cannot express" in str(w.message) and "shared" in str(w.message) for w in caught)
+    with pytest.raises(FsdpCompatError, match="cannot express"):
+        plan.to_transformers_fsdp_plan(model, strict=True)
+
+
+def test_export_keeps_no_reshard_groups_and_wildcards_layers():
+    model = build_model("qwen2-zloss")
+    exported = plan_wrap(model).to_transformers_fsdp_plan(model)
+    assert exported == {
+        "model.embed_tokens": "free_full_weight",
+        "model.layers.*": "free_full_weight",
+        "lm_head": "keep_full_weight",
+    }
