@@ -44,6 +44,9 @@ TESTS = Path(__file__).resolve().parent
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 TRANSFORMERS_5 = Version(metadata.version("transformers")).major >= 5
 SHAPE_CRASH = "AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'shape'"
+ROPE_CRASH_TF4 = (
+    "RuntimeError: The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 0"
+)
 PIN_CRASH = "RuntimeError: Cannot access accelerator device when none is available."
 #: step-1 loss of the fp32 run = the unsharded run of verl's forward on the same weights (CPU, figures above)
 FP32_STEP1_LOSS_CPU = 4.9012651443481445
@@ -257,18 +260,20 @@ def _probe(env: dict[str, str]) -> dict[str, Any]:
 
 
 def test_glm4v_forward_matches_transformers() -> None:
-    """verl's GLM4V forward (apply_monkey_patch) gives transformers' own logits, bit for bit. On transformers 5
-    that takes the repair (verl's own function crashes: asserted); on 4.57 verl's function works as shipped
-    and nothing is repaired."""
+    """transformers 5 (verl 0.7.1+): verl's GLM4V forward, repaired, gives transformers' own logits bit for bit;
+    verl's own function crashes on the first image (asserted). transformers 4.57 (what verl 0.6.0-0.7.x run on):
+    nothing is repaired, and verl's forward cannot run there at all, fsdp-compat or not: it insists on 4-row
+    position ids (text + 3 mrope rows) that 4.57's Glm4vTextModel hands to its 3-row rotary embedding."""
     out = _probe({"FSDP_COMPAT": ""})
     if not out["has_glm4v_forward"]:
         pytest.skip(f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)")
     print(f"verl {VERL} GLM4V forward: {out}")
-    assert out.get("error") is None, out
-    assert out["max_abs_logit_diff"] == 0.0, out
-    assert out["state"]["glm4v_repaired"] == TRANSFORMERS_5, out["state"]
+    assert out["state"]["patched"] and out["state"]["glm4v_repaired"] == TRANSFORMERS_5, out["state"]
     if TRANSFORMERS_5:
+        assert out.get("error") is None and out["max_abs_logit_diff"] == 0.0, out
         assert out["unrepaired"] == SHAPE_CRASH, out
+    else:
+        assert out["error"] == ROPE_CRASH_TF4, out
 
 
 def test_glm4v_forward_unrepaired_when_off() -> None:
@@ -277,10 +282,7 @@ def test_glm4v_forward_unrepaired_when_off() -> None:
     if not out["has_glm4v_forward"]:
         pytest.skip(f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)")
     assert not out["state"]["patched"] and not out["state"]["glm4v_repaired"], out
-    if TRANSFORMERS_5:
-        assert out["error"] == SHAPE_CRASH, out
-    else:
-        assert out.get("error") is None and out["max_abs_logit_diff"] == 0.0, out
+    assert out["error"] == (SHAPE_CRASH if TRANSFORMERS_5 else ROPE_CRASH_TF4), out
 
 
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="the GLM4V repair is declared for transformers 5 only")
