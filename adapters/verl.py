@@ -165,6 +165,20 @@ def _output_heads(model: Any) -> Iterator[Any]:
             yield module
 
 
+def _accepted(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords ``function`` takes (verl 0.9.1's selector takes none; an upstream change adds one)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
 def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
     """verl >= 0.7.1 ``_select_fsdp2_wrap_targets(model, cls_names, **kw)``: verl's own selection minus what is unsafe.
 
@@ -194,10 +208,10 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
                 chosen = select_wrap_targets(model, names, policy=policy)
             else:
                 warn_unmatched("verl", model, outdated, ["verl's own selection"])
-                chosen = list(original(model, names, *args, **kwargs))
+                chosen = list(original(model, names, *args, **_accepted(original, kwargs)))
             install_guard(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
             return chosen
-        targets = list(original(model, names, *args, **kwargs))  # the release's own candidates, exactly
+        targets = list(original(model, names, *args, **_accepted(original, kwargs)))  # the release's own candidates
         why = unsafe_targets(model, targets)
         if _reads_lm_head_raw(model, kwargs.get("use_fused_kernels", False)):
             why.update({id(m): "its weight is read raw by verl's fused kernels" for m in _output_heads(model)})

@@ -15,7 +15,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-POLICY_ORDER = ("legacy", "legacy-skyrl", "input-only", "layers-only", "auto")
+from fsdp_compat.cli import POLICY_ORDER  # one home: every policy, auto last
+
+__all__ = ["POLICY_ORDER", "fmt_bytes", "fmt_ratio", "format_table", "fsdp2_unsharded_estimate"]
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -1,6 +1,9 @@
 """Start-up cost of automatic activation: the ``.pth`` hook in every interpreter, and ``import verl`` with it.
 
-``python -m benchmarks.startup [--runs 30] [--verl-venv /work/venvs/verl091 | --no-verl]``
+``python -m benchmarks.startup [--runs 30] [--verl-venv /work/venvs/verl091 | --no-verl] [--compare GIT_REF]``
+
+``--compare REF`` measures the package as committed at ``REF`` (``git archive``) next to this checkout, interleaved in
+the same run: every case below is then reported for both, "before" (REF) and "after" (the working tree).
 
 What is measured, exactly:
 
@@ -61,24 +64,49 @@ def _site_packages(venv: Path) -> Path:
     return next((venv / "lib").glob("python3*/site-packages"))
 
 
-def make_venvs(tmp: Path) -> tuple[Path, Path]:
-    """Two throwaway venvs: bare, and with the .pth and the package installed (symlinked, no build)."""
+def export_ref(ref: str, dest: Path) -> Path:
+    """The source tree of ``ref`` (``git archive`` of the package folders) in ``dest``."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "fsdp_compat", "adapters", "src_pth"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def overlay(source: Path, dest: Path) -> Path:
+    """The installed layout of ``source`` (``adapters/`` becomes ``fsdp_compat/adapters``), byte-compiled: a folder
+    to put first on PYTHONPATH, so that an environment's .pth hook and entry point load this version."""
+    shutil.copytree(source / "fsdp_compat", dest / "fsdp_compat", ignore=shutil.ignore_patterns("__pycache__"))
+    if (source / "adapters").is_dir():
+        shutil.copytree(
+            source / "adapters", dest / "fsdp_compat" / "adapters", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    # pip byte-compiles what it installs; without .pyc files every start would compile the hook's modules.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest / "fsdp_compat")], check=True, env=_clean_env())
+    return dest
+
+
+def make_venvs(tmp: Path, sources: dict[str, Path] | None = None) -> tuple[Path, dict[str, Path]]:
+    """Throwaway venvs: bare, and one per source with its .pth and package installed (copied, no build)."""
     base = getattr(sys, "_base_executable", sys.executable)
-    out = []
-    for name in ("bare", "installed"):
+    sources = sources or {"installed": ROOT}
+    venvs = {}
+    for name in ("bare", *sources):
         venv = tmp / name
         subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
-        out.append(venv)
-    site = _site_packages(out[1])
-    shutil.copy(ROOT / "src_pth" / "fsdp_compat.pth", site / "fsdp_compat.pth")
-    shutil.copytree(ROOT / "fsdp_compat", site / "fsdp_compat", ignore=shutil.ignore_patterns("__pycache__"))
-    # pip byte-compiles what it installs; without .pyc files every start would compile the hook's modules.
-    subprocess.run(
-        [str(out[1] / "bin" / "python"), "-m", "compileall", "-q", str(site / "fsdp_compat")],
-        check=True,
-        env=_clean_env(),
-    )
-    return out[0], out[1]
+        venvs[name] = venv
+    for name, source in sources.items():
+        site = _site_packages(venvs[name])
+        shutil.copy(source / "src_pth" / "fsdp_compat.pth", site / "fsdp_compat.pth")
+        shutil.copytree(source / "fsdp_compat", site / "fsdp_compat", ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(
+            [str(venvs[name] / "bin" / "python"), "-m", "compileall", "-q", str(site / "fsdp_compat")],
+            check=True,
+            env=_clean_env(),
+        )
+    bare = venvs.pop("bare")
+    return bare, venvs
 
 
 def parse_importtime(stderr: str, prefix: str = "fsdp_compat") -> dict[str, Any]:
@@ -109,21 +137,29 @@ def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
 
-def bench_hook(runs: int) -> dict[str, Any]:
+_ENGINE_CHECK = (
+    "import sys; print(any(type(f).__name__ in ('ImportHooks', '_TriggerFinder') for f in sys.meta_path))"
+)
+
+
+def bench_hook(runs: int, sources: dict[str, Path] | None = None) -> dict[str, Any]:
+    """``python -c pass`` bare and with each source installed (hook on, and FSDP_COMPAT=off), interleaved."""
+    sources = sources or {"installed": ROOT}
     with tempfile.TemporaryDirectory(prefix="fsdp_compat_startup_") as tmp:
-        bare, installed = make_venvs(Path(tmp))
-        py_bare, py_inst = str(bare / "bin" / "python"), str(installed / "bin" / "python")
-        cases = {
-            "bare (not installed)": (py_bare, _clean_env()),
-            "installed (hook on)": (py_inst, _clean_env()),
-            "installed, FSDP_COMPAT=off": (py_inst, _clean_env(FSDP_COMPAT="off")),
+        bare, installed = make_venvs(Path(tmp), sources)
+        py_bare = str(bare / "bin" / "python")
+        cases = {"bare (not installed)": (py_bare, _clean_env())}
+        for label, venv in installed.items():
+            py = str(venv / "bin" / "python")
+            cases[f"{label} (hook on)"] = (py, _clean_env())
+            cases[f"{label}, FSDP_COMPAT=off"] = (py, _clean_env(FSDP_COMPAT="off"))
+        finder = {
+            label: subprocess.run(
+                [str(venv / "bin" / "python"), "-c", _ENGINE_CHECK], env=_clean_env(), capture_output=True, text=True
+            ).stdout.strip()
+            == "True"
+            for label, venv in installed.items()
         }
-        check = subprocess.run(
-            [py_inst, "-c", "import sys; print(any(type(f).__name__ == '_TriggerFinder' for f in sys.meta_path))"],
-            env=_clean_env(),
-            capture_output=True,
-            text=True,
-        )
         times: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(2):  # warm the page cache
             for py, env in cases.values():
@@ -131,44 +167,50 @@ def bench_hook(runs: int) -> dict[str, Any]:
         for _ in range(runs):
             for key, (py, env) in cases.items():
                 times[key].append(_wall([py, "-c", "pass"], env))
-        importtimes = [
-            parse_importtime(
-                subprocess.run(
-                    [py_inst, "-X", "importtime", "-c", "pass"],
-                    env=_clean_env(),
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stderr
-            )
-            for _ in range(5)
-        ]
-        importtime = sorted(importtimes, key=lambda r: r["total_us"])[2]  # the median run
+        importtime, direct = {}, {}
         code = (
             "import sys, time; sys.path.insert(0, sys.argv[1]); t = time.perf_counter(); "
             "import fsdp_compat._autoload as a; ok = a.install(); print(time.perf_counter() - t, ok)"
         )
-        direct = []
-        for _ in range(runs):
-            out = subprocess.run(
-                [py_bare, "-c", code, str(_site_packages(installed))],
-                env=_clean_env(),
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.split()
-            direct.append(float(out[0]))
+        for label, venv in installed.items():
+            py = str(venv / "bin" / "python")
+            runs_it = [
+                parse_importtime(
+                    subprocess.run(
+                        [py, "-X", "importtime", "-c", "pass"],
+                        env=_clean_env(),
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    ).stderr
+                )
+                for _ in range(5)
+            ]
+            importtime[label] = sorted(runs_it, key=lambda r: r["total_us"])[2]  # the median run
+            samples = []
+            for _ in range(runs):
+                out = subprocess.run(
+                    [py_bare, "-c", code, str(_site_packages(venv))],
+                    env=_clean_env(),
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.split()
+                samples.append(float(out[0]))
+            direct[label] = _median_ms(samples)
     return {
-        "finder_installed": check.stdout.strip() == "True",
+        "finder_installed": finder,
         "wall_ms": {k: _median_ms(v) for k, v in times.items()},
         "wall_min_ms": {k: min(v) * 1e3 for k, v in times.items()},
         "importtime": importtime,
-        "direct_ms": _median_ms(direct),
+        "direct_ms": direct,
         "runs": runs,
     }
 
 
-def bench_verl(venv: Path, runs: int) -> dict[str, Any] | None:
+def bench_verl(venv: Path, runs: int, sources: dict[str, Path] | None = None) -> dict[str, Any] | None:
+    """``import verl`` and of the trigger module, FSDP_COMPAT=off vs on for each source (PYTHONPATH overlay of its
+    installed layout; without sources, the version installed in the venv), interleaved."""
     python = venv / "bin" / "python"
     site = _site_packages(venv) if (venv / "lib").exists() else None
     if not python.exists() or site is None or not (site / "fsdp_compat.pth").exists():
@@ -180,30 +222,34 @@ def bench_verl(venv: Path, runs: int) -> dict[str, Any] | None:
         text=True,
     ).stdout.strip()
     out: dict[str, Any] = {"venv": str(venv), "verl": version, "targets": {}}
-    for target in ("verl", "verl.utils.fsdp_utils"):
-        cmd = [str(python), "-c", f"import {target}"]
-        imp = {
-            mode: subprocess.run(
-                [str(python), "-X", "importtime", "-c", f"import {target}"],
-                env=_clean_env(**({"FSDP_COMPAT": "off"} if mode == "off" else {})),
-                capture_output=True,
-                text=True,
-            ).stderr
-            for mode in ("off", "on")
-        }  # these runs also warm the page cache for the timed ones
-        times: dict[str, list[float]] = {"off": [], "on": []}
-        for _ in range(runs):
-            times["off"].append(_wall(cmd, _clean_env(FSDP_COMPAT="off")))
-            times["on"].append(_wall(cmd, _clean_env()))
-        out["targets"][target] = {
-            "off_ms": _median_ms(times["off"]),
-            "on_ms": _median_ms(times["on"]),
-            "off_spread_ms": (max(times["off"]) - min(times["off"])) * 1e3,
-            "on_spread_ms": (max(times["on"]) - min(times["on"])) * 1e3,
-            "importtime_off": parse_importtime(imp["off"]),
-            "importtime": parse_importtime(imp["on"]),
-            "patched": "patched verl" in imp["on"],
-        }
+    with tempfile.TemporaryDirectory(prefix="fsdp_compat_overlay_") as tmp:
+        envs = {"off": _clean_env(FSDP_COMPAT="off")}
+        if sources is None:
+            envs["installed"] = _clean_env()
+        else:
+            for label, source in sources.items():
+                envs[label] = _clean_env(PYTHONPATH=str(overlay(source, Path(tmp) / label)))
+        for target in ("verl", "verl.utils.fsdp_utils"):
+            cmd = [str(python), "-c", f"import {target}"]
+            imp = {  # these runs also warm the page cache for the timed ones
+                mode: subprocess.run(
+                    [str(python), "-X", "importtime", "-c", f"import {target}"], env=env, capture_output=True, text=True
+                ).stderr
+                for mode, env in envs.items()
+            }
+            times: dict[str, list[float]] = {mode: [] for mode in envs}
+            for _ in range(runs):
+                for mode, env in envs.items():
+                    times[mode].append(_wall(cmd, env))
+            out["targets"][target] = {
+                mode: {
+                    "ms": _median_ms(times[mode]),
+                    "spread_ms": (max(times[mode]) - min(times[mode])) * 1e3,
+                    "importtime": parse_importtime(imp[mode]),
+                    "patched": "patched verl" in imp[mode],
+                }
+                for mode in envs
+            }
     return out
 
 
@@ -214,67 +260,69 @@ def format_results(hook: dict[str, Any], verl: dict[str, Any] | None) -> str:
         [k, f"{v:.1f}", f"{hook['wall_min_ms'][k]:.1f}", f"{v - bare:+.1f}", f"{v / bare:.3f}x"]
         for k, v in wall.items()
     ]
+    finder = ", ".join(f"{label}: {ok}" for label, ok in hook["finder_installed"].items())
     lines = [
-        f"Interpreter start-up: `python -c pass` in a throwaway venv, {hook['runs']} runs each, interleaved "
-        f"(finder active when installed: {hook['finder_installed']})",
+        f"Interpreter start-up: `python -c pass` in throwaway venvs, {hook['runs']} runs each, interleaved "
+        f"(import-hook engine active when installed: {finder})",
         "",
         format_table(["case", "median ms", "min ms", "vs bare ms", "ratio"], rows, right=(1, 2, 3, 4)),
         "",
     ]
-    it = hook["importtime"]
-    mods = ", ".join(f"{n} {s}/{c} µs" for n, s, c in it["modules"]) or "none"
-    lines.append(
-        f"-X importtime (installed, hook on): fsdp_compat modules imported at start-up (self/cumulative): "
-        f"{mods}; total {it['total_us'] / 1e3:.2f} ms"
-    )
-    lines.append(f"import fsdp_compat._autoload + install(), timed in-process: median {hook['direct_ms']:.2f} ms")
-    added = wall["installed (hook on)"] - bare
-    lines.append(
-        f"target: activation < {TARGET_MS:.0f} ms at start-up -> "
-        f"{'HOLDS' if max(added, hook['direct_ms']) < TARGET_MS else 'MISSED'} "
-        f"(wall +{added:.1f} ms, in-process {hook['direct_ms']:.2f} ms)"
-    )
+    for label, it in hook["importtime"].items():
+        mods = ", ".join(f"{n} {s}/{c} µs" for n, s, c in it["modules"]) or "none"
+        lines.append(
+            f"-X importtime ({label}, hook on): fsdp_compat modules imported at start-up (self/cumulative): "
+            f"{mods}; total {it['total_us'] / 1e3:.2f} ms"
+        )
+        lines.append(
+            f"import fsdp_compat._autoload + install() ({label}), timed in-process: median "
+            f"{hook['direct_ms'][label]:.2f} ms"
+        )
+        added = wall[f"{label} (hook on)"] - bare
+        worst = max(added, hook["direct_ms"][label])
+        lines.append(
+            f"target: activation < {TARGET_MS:.0f} ms at start-up ({label}) -> "
+            f"{'HOLDS' if worst < TARGET_MS else 'MISSED'} (wall +{added:.1f} ms, in-process "
+            f"{hook['direct_ms'][label]:.2f} ms)"
+        )
     if verl is None:
         lines.append("\nverl: no verl venv with fsdp-compat installed found (pass --verl-venv); skipped")
         return "\n".join(lines)
     rows = []
-    for target, t in verl["targets"].items():
-        rows.append(
-            [
-                f"import {target}",
-                f"{t['off_ms']:.0f} (±{t['off_spread_ms'] / 2:.0f})",
-                f"{t['on_ms']:.0f} (±{t['on_spread_ms'] / 2:.0f})",
-                f"{t['on_ms'] - t['off_ms']:+.0f}",
-                f"{t['importtime_off']['total_us'] / 1e3:.1f}",
-                f"{t['importtime']['total_us'] / 1e3:.1f}",
-                "yes" if t["patched"] else "no",
-            ]
-        )
+    for target, modes in verl["targets"].items():
+        off = modes["off"]["ms"]
+        for mode, t in modes.items():
+            rows.append(
+                [
+                    f"import {target}",
+                    mode if mode == "off" else f"on ({mode})",
+                    f"{t['ms']:.0f} (±{t['spread_ms'] / 2:.0f})",
+                    "" if mode == "off" else f"{t['ms'] - off:+.0f}",
+                    f"{t['importtime']['total_us'] / 1e3:.1f}",
+                    "yes" if t["patched"] else "no",
+                ]
+            )
     lines += [
         "",
-        f"verl {verl['verl']} ({verl['venv']}): FSDP_COMPAT=off vs default (median wall ms, ± half the "
-        "range; these imports take seconds, so wall differences are noise-bound)",
+        f"verl {verl['verl']} ({verl['venv']}): FSDP_COMPAT=off vs on (median wall ms, ± half the range; these "
+        "imports take seconds, so wall differences are noise-bound; the fsdp_compat column is -X importtime's "
+        "cumulative time of the top-level fsdp_compat imports, i.e. what fsdp-compat adds)",
         "",
         format_table(
-            [
-                "command",
-                "off ms",
-                "on ms",
-                "on - off ms",
-                "fsdp_compat imports ms, off",
-                "fsdp_compat imports ms, on",
-                "patched",
-            ],
+            ["command", "mode", "wall ms", "on - off ms", "fsdp_compat imports ms", "patched"],
             rows,
-            right=(1, 2, 3, 4, 5),
+            right=(2, 3, 4),
         ),
     ]
-    for target, t in verl["targets"].items():
-        top = sorted(t["importtime"]["modules"], key=lambda m: -m[2])[:4]
-        lines.append(
-            f"  import {target}, on: largest fsdp_compat entries (cumulative µs): "
-            + ", ".join(f"{n} {c}" for n, _, c in top)
-        )
+    for target, modes in verl["targets"].items():
+        for mode, t in modes.items():
+            if mode == "off":
+                continue
+            top = sorted(t["importtime"]["modules"], key=lambda m: -m[2])[:4]
+            lines.append(
+                f"  import {target}, on ({mode}): largest fsdp_compat entries (cumulative µs): "
+                + ", ".join(f"{n} {c}" for n, _, c in top)
+            )
     return "\n".join(lines)
 
 
@@ -284,10 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verl-runs", type=int, default=2, help="import verl runs per case")
     parser.add_argument("--verl-venv", type=Path, default=DEFAULT_VERL_VENV)
     parser.add_argument("--no-verl", action="store_true")
+    parser.add_argument("--compare", metavar="GIT_REF", help="also measure the package as committed at GIT_REF")
     args = parser.parse_args(argv)
     t0 = time.monotonic()
-    hook = bench_hook(args.runs)
-    verl = None if args.no_verl else bench_verl(args.verl_venv, args.verl_runs)
+    with tempfile.TemporaryDirectory(prefix="fsdp_compat_ref_") as tmp:
+        sources = None
+        if args.compare:
+            sources = {f"before ({args.compare})": export_ref(args.compare, Path(tmp) / "ref"), "after": ROOT}
+        hook = bench_hook(args.runs, sources)
+        verl = None if args.no_verl else bench_verl(args.verl_venv, args.verl_runs, sources)
     print(format_results(hook, verl))
     print(f"\n(startup: {time.monotonic() - t0:.0f}s wall)")
     return 0

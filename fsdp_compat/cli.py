@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-POLICY_ORDER = ("legacy", "legacy-skyrl", "input-only", "layers-only", "auto")
+from fsdp_compat.policies import POLICY_NAMES
+
+#: the side-by-side order of ``plan`` and the benchmarks: every policy (registry order), ``auto`` last
+POLICY_ORDER = tuple(sorted(POLICY_NAMES, key=lambda name: name == "auto"))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -28,10 +32,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     layer_classes = args.layer_classes.split(",") if args.layer_classes else None
     plan = plan_wrap(model, layer_classes, policy=args.policy)
     print(plan)
-    if plan.evidence:
+    shown = [e for e in plan.evidence if args.all_evidence or _costs_sharding(e, plan)]
+    if shown:
         print("  evidence (static analysis of the code that runs):")
-        for event in plan.evidence:
+        for event in shown:
             print(f"    - {event.describe()}")
+    hidden = len(plan.evidence) - len(shown)
+    if hidden:
+        print(
+            f"  ({hidden} more reads stay inside the group that owns them and cost no sharding; "
+            "--all-evidence lists them)"
+        )
     print()
     world = args.world_size
     print(f"Policies side by side (world size {world}; bytes per rank, analytic):")
@@ -49,17 +60,51 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inside(path: str, other: str) -> bool:
+    """``other`` is ``path`` or below it (``""`` is the root)."""
+    return not path or other == path or other.startswith(path + ".")
+
+
+def _costs_sharding(event: Any, plan: Any) -> bool:
+    """Whether a piece of evidence explains a module that is not its own group (the rest is noise for a reader)."""
+    kept = [entry.path for entry in plan.root]
+    if event.kind == "opaque":
+        return any(_inside(event.reader, path) for path in kept)
+    return any(_inside(path, event.owner) or _inside(event.owner, path) for path in kept)
+
+
+def _check_smoke_request(framework: str, device: str) -> None:
+    """Refuse what cannot run with one line naming the fix (no traceback, no ZeroDivisionError)."""
+    from fsdp_compat.errors import FsdpCompatError
+
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+            raise FsdpCompatError(
+                f"--device cuda needs a CUDA GPU, but torch {torch.__version__} sees none "
+                f"(torch.cuda.is_available() is False); run with --device cpu (2 gloo ranks)"
+            )
+    if framework in ("verl", "skyrl") and not _installed(framework):
+        package = {"verl": "verl", "skyrl": "skyrl (or skyrl-train)"}[framework]
+        raise FsdpCompatError(
+            f"--framework {framework}: {package} is not installed in this environment ({sys.executable}); install "
+            f"it here, or run --framework core (no framework needed) or --framework all (skips what is missing)"
+        )
+
+
 def _cmd_smoke(args: argparse.Namespace) -> int:
     import importlib
 
     from fsdp_compat.testing.harness import format_smoke_table
 
+    _check_smoke_request(args.framework, args.device)
     frameworks = ["core", "verl", "skyrl"] if args.framework == "all" else [args.framework]
     world_size = args.world_size
     if world_size is None:  # one NCCL rank per GPU (NCCL refuses two ranks on one GPU); 2 gloo ranks on CPU
         import torch
 
-        world_size = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
+        world_size = torch.cuda.device_count() if args.device == "cuda" else 2
     rows = []
     for framework in frameworks:
         if args.framework == "all" and framework != "core" and not _installed(framework):
@@ -117,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, default=8, help="ranks for the per-rank byte figures (default 8)")
     plan.add_argument("--layer-classes", default=None, help="comma-separated layer class names (default: "
                       "the model's _no_split_modules)")
+    plan.add_argument("--all-evidence", action="store_true", help="also list reads that cost no sharding")
     plan.set_defaults(func=_cmd_plan)
 
     smoke = sub.add_parser("smoke", help="GLM4V FSDP2: the legacy crash, then the fix with exact parity")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from fsdp_compat import cli
 from fsdp_compat.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_plan_glm4v_explains_the_position_table_and_predicts_the_legacy_crash(capsys: pytest.CaptureFixture) -> None:
@@ -62,3 +66,56 @@ def test_console_script_is_installed() -> None:
     done = subprocess.run(["fsdp-compat", "plan", "full:qwen2-7b"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "WrapPlan for Qwen2ForCausalLM" in done.stdout
+
+
+def test_plan_of_a_real_model_lists_only_evidence_that_costs_sharding(capsys: pytest.CaptureFixture) -> None:
+    """A full-size text model: every candidate owns its group, so no evidence line, one summary line instead."""
+    assert main(["plan", "full:qwen2-7b"]) == 0
+    out = capsys.readouterr().out
+    assert "evidence (static analysis" not in out and "forward source unreadable" not in out, out[-3000:]
+    hidden = re.search(r"\((\d+) more reads stay inside the group that owns them and cost no sharding", out)
+    assert hidden and int(hidden.group(1)) > 0, out[-2000:]
+    assert main(["plan", "full:qwen2-7b", "--all-evidence"]) == 0
+    full = capsys.readouterr().out
+    assert full.count("\n    - ") == int(hidden.group(1))
+
+
+def test_smoke_cuda_without_a_gpu_is_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["smoke", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fsdp-compat: error: --device cuda needs a CUDA GPU"), err
+    assert "--device cpu" in err and "ZeroDivisionError" not in err
+
+
+@pytest.mark.parametrize("framework", ["verl", "skyrl"])
+def test_smoke_of_a_missing_framework_is_a_one_line_error(
+    framework: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    if cli._installed(framework):  # in an environment that has it, pretend it is missing
+        monkeypatch.setattr(cli, "_installed", lambda name: False)
+    assert main(["smoke", "--framework", framework]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--framework {framework}: " in err and "is not installed" in err, err
+    assert "Traceback" not in err
+
+
+def test_license_is_the_apache_2_text_that_pyproject_declares() -> None:
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+    assert 'license = "Apache-2.0"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_changelog_has_unreleased_and_the_current_version() -> None:
+    from fsdp_compat import __version__
+
+    text = (REPO / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## \[([^\]]+)\]", text, re.M)
+    assert headings[:2] == ["Unreleased", __version__], headings
+    assert "keepachangelog.com" in text

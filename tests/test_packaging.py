@@ -22,7 +22,7 @@ import packaging
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("fsdp_compat", "adapters", "src_pth", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md")
+SOURCES = ("fsdp_compat", "adapters", "src_pth", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE")
 HEAVY = ("torch", "wrapt", "packaging", "logging", "fsdp_compat.activation", "verl", "skyrl", "skyrl_train")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_COMPAT", "PYTHON"))}
 
@@ -104,6 +104,7 @@ def test_wheel_ships_the_pth_at_its_root_and_the_adapters(built: dict[str, Path]
         names = set(whl.namelist())
         pth = whl.read("fsdp_compat.pth").decode()
     assert {"fsdp_compat/_autoload.py", "fsdp_compat/adapters/__init__.py", "fsdp_compat.pth"} <= names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)  # the Apache-2.0 text
     assert pth.count("\n") == 1 and pth.startswith("import ")  # one executable line, as site.py requires
     assert "install()" in pth and "except Exception" in pth
 

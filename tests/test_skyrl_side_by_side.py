@@ -45,7 +45,13 @@ UTILS = {
 }
 
 
+#: GLM4V's layer classes named in the config, as in SkyRL's GLM4V recipes (skyrl-train < 0.4 crash earlier on
+#: transformers 5's set-valued _no_split_modules without it: "'set' object is not subscriptable")
+LAYERS = "Glm4vTextDecoderLayer,Glm4vVisionBlock"
+
+
 def _run(**env: str) -> RunResult:
+    env = {"FSDP_COMPAT_TEST_LAYERS": LAYERS, **env}
     result = run_training(
         "glm4v",
         "_activation_ranks:skyrl_side_by_side",
