@@ -166,6 +166,7 @@ class _FunctionFacts:
     filename: str
     qualname: str
     lineno_offset: int
+    exit_before: frozenset[int] = frozenset()
 
 
 class _Opaque(Exception):
@@ -228,6 +229,7 @@ def _facts_for_code(code: types.CodeType, func: types.FunctionType) -> _Function
         filename=code.co_filename,
         qualname=func.__qualname__,
         lineno_offset=offset,
+        exit_before=collector.exit_before,
     )
 
 
@@ -278,8 +280,14 @@ class _Collector:
         self._bind_aliases(fn)
         self.uses: list[_Use] = []
         self.cur: frozenset[int] = frozenset()
+        self.exits: list[frozenset[int]] = []
+        self._nested = 0
         body = fn.body if isinstance(fn.body, list) else [ast.Return(value=fn.body, lineno=fn.body.lineno)]
-        self._stmts(body, frozenset())
+        final = self._stmts(body, frozenset())
+        if final is not None:
+            self.exits.append(final)
+        # Calls that ran on every path by the time the function returns (what its caller may rely on).
+        self.exit_before = self._meet(*self.exits) or frozenset()
 
     # -- what an expression may evaluate to --------------------------------------------------------------------
 
@@ -419,12 +427,19 @@ class _Collector:
         if isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = s.targets if isinstance(s, ast.Assign) else [s.target]
             plain = all(self._is_name_target(t) for t in targets) and not isinstance(s, ast.AugAssign)
+            if isinstance(s.value, (ast.Tuple, ast.List)):
+                # Only element-wise destructuring is an alias; ``pair = (self.a, self.b)`` builds a container.
+                plain = plain and all(
+                    isinstance(t, (ast.Tuple, ast.List)) and len(t.elts) == len(s.value.elts) for t in targets
+                )
             state = self._expr(s.value, state, "bind" if plain else "value")
             for target in targets:
                 state = self._store(target, state)
             return state
         if isinstance(s, ast.Return):
-            self._expr(s.value, state, "return")
+            after = self._expr(s.value, state, "return")
+            if not self._nested:
+                self.exits.append(after)
             return None
         if isinstance(s, ast.Raise):
             self._expr(s.exc, state, "value")
@@ -480,7 +495,9 @@ class _Collector:
                 for default in (*s.args.defaults, *(d for d in s.args.kw_defaults if d is not None)):
                     state = self._expr(default, state, "value")
             saved = self.cur
+            self._nested += 1
             self._stmts(s.body, state)  # runs later (if ever): only what ran before the def is assumed
+            self._nested -= 1
             self.cur = saved
             return state
         if isinstance(s, ast.Delete):
@@ -614,6 +631,10 @@ class _Collector:
             return
         if isinstance(node, ast.NamedExpr):
             self._visit(node.value, "bind", cond)
+            return
+        if isinstance(node, (ast.Tuple, ast.List)) and how == "bind":
+            for elt in node.elts:  # ``a, b = self.x, self.y``: each element is aliased, not used
+                self._visit(elt.value if isinstance(elt, ast.Starred) else elt, "bind", cond)
             return
         if isinstance(node, ast.Lambda):
             for default in (*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)):
@@ -1074,7 +1095,7 @@ class _Analyzer:
         )
         if key in self.visited:
             return self.visited[key]
-        self.visited[key] = []
+        self.visited[key] = _Outcome()
         extra = positional[len(facts.positional):]
         extra_kw = {k: v for k, v in kwargs.items() if k not in bindings}
         leftovers = [o for v in (*extra, *extra_kw.values()) for o in v]
@@ -1083,7 +1104,7 @@ class _Analyzer:
         closure = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
         returned: dict[int, list[Any]] = {}
         called: dict[int, frozenset[str]] = {}
-        results: list[Any] = []
+        results = _Outcome()
         site_of = functools.partial(self._site, facts, reader, before, called)
         for obj in leftovers:
             self._escape(obj, site_of(facts.uses[0] if facts.uses else None), "passed through *args/**kwargs")
@@ -1096,6 +1117,7 @@ class _Analyzer:
             else:
                 for res in targets:
                     self._do_use(use, res, site, forward_of, results, reader)
+        results.called = before.union(*(called.get(i, frozenset()) for i in facts.exit_before))
         self.visited[key] = results
         return results
 
@@ -1186,19 +1208,22 @@ class _Analyzer:
         for obj in starred:
             self._escape_any(obj, site, "passed through *args/**kwargs")
         results: list[Any] = []
-        calls: set[str] = set()
+        must: frozenset[str] | None = None  # modules called by this call whichever target it is
         followed_all = bool(targets)
         for res in targets:
+            calls: set[str] = set()
             out = self._call_target(res, positional, keywords, site, calls)
             if out is None:
                 followed_all = False
             else:
                 results.extend(out)
+                calls |= getattr(out, "called", frozenset())
+            must = frozenset(calls) if must is None else must & calls
         if not followed_all:
             for obj in tracked:
                 self._escape_any(obj, site, "handed to code the analysis does not follow")
-        if calls:
-            called[use.index] = frozenset(calls)
+        if must:
+            called[use.index] = must
         return results
 
     def _escape_any(self, obj: Any, site: _Site, why: str) -> None:
@@ -1418,6 +1443,12 @@ class _Analyzer:
                 return
             for held in self._held(res.obj):
                 self._escape(held, site, "held by an object the analysis does not model")
+
+
+class _Outcome(list):  # type: ignore[type-arg]
+    """What a followed function returned (objects of the model), and the modules it called on every path."""
+
+    called: frozenset[str] = frozenset()
 
 
 class _Seq(tuple):  # type: ignore[type-arg]
