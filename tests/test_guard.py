@@ -92,6 +92,22 @@ def test_guard_turns_the_crash_into_exact_parity(model: str, wrap: str, group: s
     assert all(p["log"] == probes[0]["log"] for p in probes)  # every rank logs the same line
 
 
+def test_one_log_line_per_group_the_same_on_every_rank() -> None:
+    """Two groups read while sharded: two lines (one per group) over 3 steps, an unshard of each on every step."""
+    model = f"{MODELS}:both_layers_before_forward"
+    _assert_crash(_run(model, "layers_only", OFF, steps=1), "got mixed")
+    result = _run(model, "layers_only", ON, steps=3)
+    _assert_exact(result)
+    probes = _probes(result)
+    for probe in probes:
+        assert probe["unshards"] == 2 * 3, probe
+        assert [line.split(" was read")[0] for line in probe["log"]] == [
+            "fsdp-compat: run-time guard: blocks.0.lin.weight",
+            "fsdp-compat: run-time guard: blocks.1.lin.weight",
+        ], probe["log"]
+    assert all(p["log"] == probes[0]["log"] for p in probes)
+
+
 @pytest.mark.parametrize(
     ("model", "wrap", "op"),
     [

@@ -7,7 +7,7 @@ pattern the run-time guard exists for:
 - ``passed_embedding``: a child gets the embedding module as an argument and reads ``other.weight`` after the
   embedding's own forward (an output projection tied by passing the module).
 - ``weight_before_forward``: the root reads a layer's weight (a penalty) *before* calling that layer, so the
-  layer's own post-backward would come before the read's backward.
+  layer's own post-backward would come before the read's backward (``both_layers_before_forward``: both layers).
 
 ``model.checkpointing`` (None, ``"reentrant"``, ``"non-reentrant"``) runs the reading child / the layers under
 ``torch.utils.checkpoint``; the wrap functions below set it before sharding (the unsharded reference keeps None:
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["passed_embedding", "weight_before_forward"]
+__all__ = ["both_layers_before_forward", "passed_embedding", "weight_before_forward"]
 
 _VOCAB, _DIM, _ROWS, _LEN = 64, 32, 2, 10
 
@@ -126,6 +126,18 @@ class WeightBeforeForwardLM(_Base):
         return Output(loss + 0.1 * penalty)
 
 
+class BothLayersBeforeForwardLM(WeightBeforeForwardLM):
+    """The root reads both layers' weights before the blocks run: two groups to unshard, two log lines."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        penalty = sum(block.lin.weight.pow(2).mean() for block in self.blocks)
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = self._maybe_checkpoint(block, h)
+        loss = F.cross_entropy(self.out(h).reshape(-1, _VOCAB), labels.reshape(-1))
+        return Output(loss + 0.1 * penalty)
+
+
 def _batch(g: torch.Generator) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, _VOCAB, (_ROWS, _LEN), generator=g)
     return {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1)}
@@ -133,6 +145,7 @@ def _batch(g: torch.Generator) -> dict[str, torch.Tensor]:
 
 passed_embedding = GuardModel(PassedEmbeddingLM, _batch)
 weight_before_forward = GuardModel(WeightBeforeForwardLM, _batch)
+both_layers_before_forward = GuardModel(BothLayersBeforeForwardLM, _batch)
 
 
 # ------------------------------------------------------------------------------------------------ wrap functions
