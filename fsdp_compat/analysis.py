@@ -824,8 +824,12 @@ class _Resolver:
                         return []  # no such attribute: the code raises there, nothing is read
                     except Exception:
                         return [_Resolved("escape", obj, attr=step)]
-                    if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
-                        return self._module(value.__self__, (value.__name__, *rest))
+                    if isinstance(value, (nn.Module, nn.Parameter)) or (
+                        isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module)
+                    ):
+                        # Which inner module answers depends on the wrapper's state (peft's disable_adapter()
+                        # switches to the original module): everything below the wrapper counts as read.
+                        return [_Resolved("escape", obj, attr=f"{step} (answered by {type(obj).__name__})")]
                     return self.resolve(value, rest, owner=self._holder(value), attr=step)
                 if callable(getattr(static, "__get__", None)) and not isinstance(static, (*_SCALARS, tuple, list,
                                                                                          frozenset, set, dict)):

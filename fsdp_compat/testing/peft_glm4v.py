@@ -1,0 +1,104 @@
+"""A user's own peft model around GLM4V's vision position table, trained under ``apply_fsdp2`` against a twin.
+
+peft puts the table behind a wrapper: ``modules_to_save`` (``ModulesToSaveWrapper``: ``original_module`` and
+``modules_to_save.default``) or a LoRA target (``lora.Embedding``, the table under ``base_layer``). GLM4V's vision
+embeddings still read ``self.position_embedding.weight``, which the wrapper answers from an inner module, so a plan
+by module path gives the inner module a group and ``F.grid_sample`` gets a sharded DTensor.
+:func:`peft_rank` is a rank routine for :func:`fsdp_compat.testing.harness.run_ranks`.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["PEFT_CONFIGS", "peft_rank"]
+
+PEFT_CONFIGS: dict[str, dict[str, Any]] = {
+    "modules-to-save": {"r": 2, "target_modules": ["q_proj"], "modules_to_save": ["position_embedding"]},
+    "lora-embedding": {"r": 2, "target_modules": ["q_proj", "position_embedding"]},
+}
+
+
+def build_peft_glm4v(config: str, seed: int = 0) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_compat.testing.zoo import build_model
+
+    model = build_model("glm4v", seed=seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1)  # LoRA's A matrices are drawn at wrap time
+        return get_peft_model(model, LoraConfig(**PEFT_CONFIGS[config]))
+
+
+def _full(t: Any) -> Any:
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def _case(config: str, policy: str, guard: bool, mesh: Any, steps: int) -> dict[str, Any]:
+    import torch
+
+    from fsdp_compat.apply import apply_fsdp2
+    from fsdp_compat.testing.zoo import make_batch
+
+    os.environ["FSDP_COMPAT_GUARD"] = "on" if guard else "off"
+    model, twin = build_peft_glm4v(config), build_peft_glm4v(config)
+    plan = apply_fsdp2(model, {"mesh": mesh}, policy=policy)
+    record: dict[str, Any] = {"groups": [list(g.paths) for g in plan.groups]}
+    batch = make_batch("glm4v")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    ref_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-3)
+    ref = dict(twin.named_parameters())
+    worst = 0.0
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        twin(**batch).loss.backward()
+        for name, p in model.named_parameters():
+            got, want = (None if p.grad is None else _full(p.grad)), ref[name].grad
+            if got is None or want is None:  # unused by this forward (e.g. LoRA factors of a raw-read table)
+                worst = max(worst, 0.0 if got is None and want is None else float("inf"))
+            else:
+                worst = max(worst, float((got - want).abs().max()))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                worst = max(worst, float((_full(p) - ref[name]).abs().max()))
+        losses.append(float(loss.detach()))
+    record.update(max_abs_diff=worst, losses=losses, trainable=len(trainable))
+    return record
+
+
+def peft_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """Run every (config, policy, guard) case of ``cfg["cases"]``; a case that raises is recorded."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=cfg["world_size"],
+        timeout=timedelta(seconds=cfg["timeout_s"]),
+    )
+    mesh = init_device_mesh("cpu", (cfg["world_size"],))
+    results: dict[str, Any] = {}
+    for config, policy, guard in cfg["cases"]:
+        key = f"{config}|{policy}|{'guard' if guard else 'noguard'}"
+        try:
+            results[key] = {"ok": True, **_case(config, policy, guard, mesh, cfg.get("steps", 2))}
+        except Exception as exc:
+            results[key] = {
+                "ok": False,
+                "exception": traceback.format_exception_only(type(exc), exc)[-1].strip(),
+                "traceback": traceback.format_exc()[-2000:],
+            }
+    extra["results"] = results
