@@ -164,6 +164,22 @@ def test_pth_hook_trains_with_exact_parity() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_guard_turns_skyrls_own_rule_into_parity() -> None:
+    """FSDP_COMPAT_POLICY=legacy-skyrl: the patched apply_fsdp2 applies SkyRL's own rule (the position table gets a
+    group). With FSDP_COMPAT_GUARD=off that is the grid_sampler crash; with the run-time guard (on by default)
+    the same groups train with exact parity."""
+    _need_pth()
+    env = {ENV_CONFIG: "explicit", "FSDP_COMPAT_POLICY": "legacy-skyrl"}
+    _assert_crash(_run("wrap_strategy", FSDP_COMPAT_GUARD="off", **env), GRID_SAMPLER_CRASH)
+    result = _run("wrap_strategy", **env)
+    result.raise_for_error()
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
+    for rank in result.ranks:
+        assert "model.visual.embeddings.position_embedding" in rank.extra["fsdp_groups"], rank.extra["fsdp_groups"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pth_hook_honours_the_configured_wrap_policy() -> None:
     """``wrap_policy.transformer_layer_cls_to_wrap`` naming only the text layer: no vision block gets a group."""
