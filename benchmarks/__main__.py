@@ -10,7 +10,7 @@ import importlib
 import sys
 import time
 
-NAMES = ("skeletons", "startup", "policies", "guard")
+NAMES = ("skeletons", "startup", "policies", "guard", "matrix")
 
 
 def main(argv: list[str] | None = None) -> int:

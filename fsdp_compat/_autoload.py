@@ -121,6 +121,7 @@ ADAPTERS: dict[str, AdapterEntry] = {
     "transformers": AdapterEntry(
         "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.25")}
     ),
+    "areal": AdapterEntry("fsdp_compat.adapters.areal", {"areal": ("areal.engine.fsdp_utils", ">=1.0.4,<1.1")}),
 }
 
 

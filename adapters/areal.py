@@ -1,0 +1,122 @@
+"""AReaL adapter: AReaL's FSDP2 engine keeps its own selection, minus what would crash.
+
+AReaL (``areal`` on PyPI, 1.0.x) shards in ``areal.engine.fsdp_utils.apply_fsdp2(model, fsdp_kwargs, wrap_policy)``,
+a copy of verl's rule: every module of a layer class (``wrap_policy.transformer_layer_cls_to_wrap``, else
+``model._no_split_modules``) and, when ``model.config.tie_word_embeddings`` is false, every ``nn.Embedding`` gets
+its own ``fully_shard`` group, then the root. GLM4V's vision embeddings read ``position_embedding.weight`` raw and
+``F.grid_sample`` gets a sharded table (``aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor``).
+The engine calls it from ``areal.engine.fsdp_utils.parallel.parallelize_model``, which imported it by name.
+
+The replacement keeps AReaL's contract (same arguments, ``fsdp_kwargs`` on every group, the root last inside
+AReaL's ``maybe_patch_fsdp_module``, None returned) and AReaL's selection, minus the modules that static analysis
+shows would be read while sharded (their parameters stay in the root), children first, and installs the run-time
+guard. ``FSDP_COMPAT_POLICY=legacy`` & co run AReaL's own function. A wrap list that matches nothing warns once
+and shards what AReaL would (never an exception in adapter context).
+
+Activation: the installed ``.pth`` hook when ``areal.engine.fsdp_utils`` is imported, or
+``import fsdp_compat.adapters.areal``; ``FSDP_COMPAT=off`` disables both.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import, logger
+
+__all__ = [
+    "ADAPTER",
+    "RELEASES",
+    "ArealAdapter",
+    "configured_layer_classes",
+    "is_patched",
+    "make_apply_fsdp2",
+    "patch",
+    "unpatch",
+]
+
+UTILS = "areal.engine.fsdp_utils"
+PARALLEL = "areal.engine.fsdp_utils.parallel"  # ``from areal.engine.fsdp_utils import apply_fsdp2``
+
+
+def configured_layer_classes(model: Any, wrap_policy: Any) -> list[str]:
+    """What AReaL computes: ``wrap_policy.transformer_layer_cls_to_wrap`` when set and non-empty, else
+    ``model._no_split_modules`` (a str, list or, in transformers 5, a set)."""
+
+    def names(value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
+
+    configured = names(getattr(wrap_policy, "transformer_layer_cls_to_wrap", None) if wrap_policy else None)
+    return configured or names(getattr(model, "_no_split_modules", None))
+
+
+def areal_selection(model: Any, layer_classes: list[str]) -> list[Any]:
+    """AReaL's own rule, in its order: layer-class modules and (untied) every ``nn.Embedding``."""
+    from torch import nn
+
+    untied = not getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    return [
+        module
+        for _, module in model.named_modules()
+        if type(module).__name__ in layer_classes or (untied and isinstance(module, nn.Embedding))
+    ]
+
+
+def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
+    """AReaL's ``apply_fsdp2(model, fsdp_kwargs, wrap_policy)`` with the unsafe groups left out."""
+
+    @functools.wraps(original)
+    def apply_fsdp2(model: Any, fsdp_kwargs: Any, wrap_policy: Any = None) -> None:
+        from fsdp_compat.guard import install_guard
+        from fsdp_compat.policies import resolve_policy
+
+        from ._selection import bottom_up, outdated_fallback, unmatched, unsafe_targets
+
+        if not resolve_policy(policy).analyzed:  # legacy & co: AReaL's rule as it is
+            return original(model, fsdp_kwargs, wrap_policy)
+        utils = sys.modules[original.__module__]
+        kwargs = dict(fsdp_kwargs or {})
+        names = configured_layer_classes(model, wrap_policy)
+        outdated = unmatched(model, names)
+        if outdated is not None:
+            targets = outdated_fallback("areal", model, outdated, True)
+        else:
+            targets = areal_selection(model, names)
+            unsafe = unsafe_targets(model, targets)
+            paths = {id(m): p for p, m in model.named_modules()}
+            for module in targets:
+                if id(module) in unsafe:
+                    logger.info("AReaL apply_fsdp2: %s stays in the root: %s", paths[id(module)], unsafe[id(module)])
+            targets = bottom_up(model, [m for m in targets if id(m) not in unsafe])
+        for module in targets:
+            utils.fully_shard(module, **kwargs)
+        with utils.maybe_patch_fsdp_module(model):
+            utils.fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
+        install_guard(model)  # a read the analysis did not foresee unshards its group instead of crashing
+        return None
+
+    apply_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]
+    return apply_fsdp2
+
+
+RELEASES: tuple[Release, ...] = (
+    Release(">=1.0.4", (Replacement(UTILS, "apply_fsdp2", make_apply_fsdp2, (PARALLEL,)),)),
+)
+
+
+class ArealAdapter(Adapter):
+    """AReaL 1.0.4 - 1.0.x: ``areal.engine.fsdp_utils.apply_fsdp2`` (rebound in ``parallel``)."""
+
+    key = "areal"
+    releases = RELEASES
+
+
+ADAPTER = ArealAdapter()
+patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
+activate_on_import(ADAPTER)
