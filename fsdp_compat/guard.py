@@ -11,8 +11,8 @@ runs in FSDP2's root post-backward callback, after every gradient contribution, 
 arrived. Afterwards the group's own setting comes back, so every step behaves the same. Each group is logged once
 (logger ``fsdp_compat``): the parameter, where it was read, and the plan change that avoids the run-time unshard.
 
-``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals of torch >= 2.6 (``FSDPParamGroup``);
-where they differ it warns once and stands aside, leaving FSDP2's own behaviour.
+``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals (``FSDPParamGroup``, ``FSDPState``; checked
+on torch 2.13); where they differ it warns once and stands aside, leaving FSDP2's own behaviour.
 """
 
 from __future__ import annotations
@@ -44,49 +44,14 @@ _DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _SEQ = (list, tuple)
 # Reading these from a sharded parameter is fine (DTensor answers with the global metadata) and FSDP2 itself does
 # it in forward; only ops that compute with the values need the unsharded parameter.
+_METADATA_PROPERTIES = ("dtype", "shape", "device", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn", "layout",
+                        "is_cuda", "is_meta", "is_sparse", "is_quantized", "names", "itemsize", "nbytes")  # fmt: skip
+_METADATA_METHODS = ("size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point",
+                     "is_complex", "get_device", "__len__", "is_contiguous", "stride", "storage_offset",
+                     "requires_grad_")  # fmt: skip
 _METADATA = frozenset(
-    [
-        getattr(torch.Tensor, name).__get__
-        for name in (
-            "dtype",
-            "shape",
-            "device",
-            "ndim",
-            "requires_grad",
-            "is_leaf",
-            "grad",
-            "grad_fn",
-            "layout",
-            "is_cuda",
-            "is_meta",
-            "is_sparse",
-            "is_quantized",
-            "names",
-            "itemsize",
-            "nbytes",
-        )
-        if hasattr(torch.Tensor, name)
-    ]
-    + [
-        getattr(torch.Tensor, name)
-        for name in (
-            "size",
-            "dim",
-            "numel",
-            "nelement",
-            "ndimension",
-            "element_size",
-            "is_floating_point",
-            "is_complex",
-            "get_device",
-            "__len__",
-            "is_contiguous",
-            "stride",
-            "storage_offset",
-            "requires_grad_",
-        )
-        if hasattr(torch.Tensor, name)
-    ]
+    [getattr(torch.Tensor, name).__get__ for name in _METADATA_PROPERTIES if hasattr(torch.Tensor, name)]
+    + [getattr(torch.Tensor, name) for name in _METADATA_METHODS if hasattr(torch.Tensor, name)]
 )
 
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
@@ -125,7 +90,7 @@ class GuardEvent:
 
     group: str  # the group's module paths
     parameter: str  # the parameter handed to an op while its group was sharded
-    where: str  # file:line (function) of the reading code
+    where: str  # file:line of the reading code
     reader: str  # the innermost module whose forward was running there ("" = the root)
     advice: str  # the plan change that avoids the run-time unshard
     unsharded_bytes: int  # the group's unsharded parameter bytes, held from the read to the end of backward
