@@ -215,7 +215,9 @@ def reference_loss(engine: Any, cfg: dict[str, Any], loss_fn: Any) -> dict[str, 
     module = get_hf_auto_model_class(hf_config=hf_config).from_pretrained(
         cfg["model_dir"], torch_dtype=torch.float32, config=hf_config
     )
-    module.train()
+    from verl.utils.device import get_device_name
+
+    module.to(get_device_name()).train()
     data = sft_batch(1)
     tu.assign_non_tensor(data, sp_size=1, dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()))
     single = copy.copy(engine)
@@ -334,12 +336,20 @@ def forward_probe() -> dict[str, Any]:
     transformers 5 the unrepaired function (``__wrapped__``) is called too, to show what verl's own code does.
     """
     import importlib.util
+    import logging
+    import sys
 
     import torch
 
     if importlib.util.find_spec("verl.models.transformers.glm4v") is None:
         return {"has_glm4v_forward": False}
+    logged: list[str] = []
+    keep = logging.Handler()
+    keep.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp_compat").addHandler(keep)
     import verl.utils.fsdp_utils  # noqa: F401  (what every worker imports before the model is built)
+
+    loaded_early = "verl.models.transformers.glm4v" in sys.modules  # the repair waits for verl to import it
     from verl.models.transformers.monkey_patch import apply_monkey_patch
 
     from fsdp_compat.testing.verl_smoke import glm4v_position_ids
@@ -352,7 +362,8 @@ def forward_probe() -> dict[str, Any]:
     apply_monkey_patch(model=model, use_remove_padding=False)
     import verl.models.transformers.glm4v as glm4v
 
-    out: dict[str, Any] = {"has_glm4v_forward": True, "state": adapter_state()}
+    out: dict[str, Any] = {"has_glm4v_forward": True, "state": adapter_state(), "glm4v_loaded_early": loaded_early}
+    out["repair_logged"] = any("repaired verl.models.transformers.glm4v._get_input_embeds" in m for m in logged)
     inputs = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}  # verl's datasets drop it
     inputs["position_ids"] = glm4v_position_ids(model, batch)
     try:
@@ -369,6 +380,10 @@ def forward_probe() -> dict[str, Any]:
             out["unrepaired"] = "ran"
         except Exception as exc:
             out["unrepaired"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    adapter = getattr(sys.modules.get("fsdp_compat.adapters.verl"), "ADAPTER", None)
+    if adapter is not None and original is not None:
+        adapter.unpatch()
+        out["unpatch_restores_verls_function"] = glm4v._get_input_embeds is original
     return out
 
 
