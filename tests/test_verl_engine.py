@@ -68,9 +68,10 @@ OFFLOAD = [
     {"name": "offload_policy", "engine": {"offload_policy": True}},
 ]
 
-ENGINE_ON_CPU = VERL in SpecifierSet(">=0.9.0")  # verl.plugin.platform, the public platform registry: 0.9.0+
+#: verl.plugin.platform (the public platform registry) and VERL_ENGINE_DEVICE arrived in 0.9.0
+ENGINE_ON_CPU = SpecifierSet(">=0.9.0").contains(VERL, prereleases=True)
 needs_engine = pytest.mark.skipif(
-    VERL not in SpecifierSet(">=0.8.0") or (DEVICE == "cpu" and not ENGINE_ON_CPU),
+    not SpecifierSet(">=0.8.0").contains(VERL, prereleases=True) or (DEVICE == "cpu" and not ENGINE_ON_CPU),
     reason=f"verl {VERL}: the TrainingWorker engine path is 0.8.0+ (older releases train through fsdp_workers, "
     "tests/test_verl.py); on CPU it needs verl.plugin.platform and VERL_ENGINE_DEVICE (0.9.0+): verl 0.8.0's "
     "EngineRegistry asserts 'Unknown device: cpu' (its FSDP engine registers cuda/npu only); runs in the -gpu factor",
