@@ -2,15 +2,16 @@
 
 A reproduction of ``FSDPStrategy._fsdp_init_model`` / ``_fsdp_init_train_model`` (skyrl 0.4.0
 ``skyrl/backends/skyrl_train/distributed/fsdp_strategy.py`` lines 202-285; skyrl-train 0.3.1
-``skyrl_train/distributed/fsdp_strategy.py`` lines 208-300, its ``fsdp2`` branch), because the real methods
+``skyrl_train/distributed/fsdp_strategy.py`` lines 254-300, its ``fsdp2`` branch), because the real methods
 only run with CUDA (see the module docstring of the test). What runs is SkyRL's own code wherever it can run on
 CPU: ``should_use_meta_init`` / ``get_init_weight_context_manager``, ``HFModelWrapper`` (loading the saved model
 and its forward), ``PrecisionType``, ``fsdp_strategy.MixedPrecisionPolicy``, ``fsdp_strategy.apply_fsdp2`` (the
 name SkyRL calls, which the adapter patches), the policy loss from ``PolicyLossRegistry``, and
 ``FSDPStrategy.backward`` / ``optimizer_step``. Reproduced here are only the lines that hard-code CUDA:
 ``create_device_mesh`` (``init_device_mesh("cuda")``; here the same mesh on "cpu") and
-``fsdp2_load_full_state_dict`` (``.cuda()`` on buffers; here torch's ``set_model_state_dict`` with the options
-SkyRL passes, plus the rank-0 broadcast of non-persistent buffers on CPU).
+``fsdp2_load_full_state_dict`` (``.cuda()``; here torch's ``set_model_state_dict`` with the options skyrl >= 0.3
+passes, plus its rank-0 broadcast of non-persistent buffers, on CPU; older releases broadcast each parameter from
+rank 0 by hand, which loads the same values).
 
 Imported only in fresh rank interpreters (``tests`` and ``tests/_skyrl_stubs`` on PYTHONPATH); it imports no
 fsdp_compat adapter, so whatever patches SkyRL here is the ``.pth`` start-up hook.
