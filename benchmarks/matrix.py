@@ -155,7 +155,11 @@ ARCHS: dict[str, tuple[str, Callable[[], Any]]] = {
     ),
     "olmoe": ("moe", _causal("OlmoeConfig", "OlmoeForCausalLM", num_experts=4, num_experts_per_tok=2)),
     "granitemoe": ("moe", _causal("GraniteMoeConfig", "GraniteMoeForCausalLM", **_MOE)),
-    "phimoe": ("moe", _causal("PhimoeConfig", "PhimoeForCausalLM", sliding_window=None, **_MOE)),
+    "phimoe": (
+        "moe",
+        _causal("PhimoeConfig", "PhimoeForCausalLM", sliding_window=None, router_jitter_noise=0.0,
+                input_jitter_noise=0.0, **_MOE),
+    ),
     # encoder-decoder
     "t5-shared": ("enc-dec", _zoo("t5-shared")),
     "bart": ("enc-dec", _seq2seq("BartConfig", "BartForConditionalGeneration")),
@@ -195,7 +199,8 @@ ARCHS: dict[str, tuple[str, Callable[[], Any]]] = {
 
 
 def make_batch(name: str, kind: str) -> dict[str, Any]:
-    """Inputs with labels for ``ARCHS[name]``: the zoo's batches where the zoo has the model, else text rows."""
+    """Inputs with labels for ``ARCHS[name]``: the zoo's batches where the zoo has the model, else text rows; a
+    function of the name only, so every rank trains on the same batch."""
     import torch
 
     from fsdp_compat.testing.zoo import ZOO
@@ -209,7 +214,8 @@ def make_batch(name: str, kind: str) -> dict[str, Any]:
         return {"input_features": torch.randn(2, 8, 32, generator=g), "labels": labels}
     if kind == "enc-dec":
         ids = torch.randint(3, 128, (2, 10), generator=g)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(3, 128, (2, 7))}
+        labels = torch.randint(3, 128, (2, 7), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     ids = torch.randint(3, 120, (2, 12), generator=g)
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
@@ -425,6 +431,8 @@ def _short(exc: BaseException) -> str:
         return line.split(":", 1)[1].split(" got mixed")[0].strip() + " (mixed Tensor/DTensor)"
     if "is shared with a parameter already managed" in line:
         return "shared Parameter in two groups (ValueError)"
+    if "declares no layer classes" in line:
+        return "no layer classes (_no_split_modules is empty)"
     return line[:70]
 
 
