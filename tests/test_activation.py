@@ -914,3 +914,27 @@ def test_doctor_reports_without_patching() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "adapter not loaded in this process" in done.stdout
+
+
+def test_public_names_keep_working() -> None:
+    """What users and the entry point import (stable across the redesign)."""
+    from fsdp_compat.adapters import skyrl, verl
+
+    for module in (verl, skyrl):
+        assert module.patch == module.ADAPTER.patch and module.unpatch == module.ADAPTER.unpatch
+        assert module.is_patched == module.ADAPTER.is_patched and isinstance(module.SUPPORTED, dict)
+        assert callable(module.make_apply_fsdp2) and module.RELEASES
+    assert callable(verl.make_select_fsdp2_wrap_targets) and callable(skyrl.make_modules_to_wrap_fsdp2)
+    assert verl.release_for(Version("0.9.1")).name == "_select_fsdp2_wrap_targets"
+    assert verl.release_for(Version("0.6.0")).importers[-1] == "verl.workers.engine.fsdp.transformer_impl"
+    assert {activation.ENV_SWITCH, activation.ENV_AUTOLOAD, activation.ENV_POLICY, activation.ENV_FORCE} == {
+        "FSDP_COMPAT",
+        "FSDP_COMPAT_AUTOLOAD",
+        "FSDP_COMPAT_POLICY",
+        "FSDP_COMPAT_FORCE",
+    }
+    assert activation.ENV_LOG == "FSDP_COMPAT_LOG"
+    from importlib import metadata
+
+    points = [ep.value for ep in metadata.entry_points(group="verl.plugins") if ep.name == "fsdp_compat"]
+    assert points == ["fsdp_compat.adapters.verl"], points
