@@ -982,10 +982,14 @@ class _Analyzer:
         self.escaped: set[tuple[str, int]] = set()
         self._subtree_owners: dict[int, list[tuple[str, str]]] = {}
         self._held_memo: dict[int, tuple[Any, list[Any]]] = {}
+        self._sigs: dict[int, Any] = {}
+        self._capture: list[RawRead] | None = None
 
     # -- evidence ---------------------------------------------------------------------------------------------
 
     def _add(self, event: RawRead) -> None:
+        if self._capture is not None:
+            self._capture.append(event)
         key = (event.reader, event.owner, event.param, event.kind)
         previous = self.events.get(key)
         if previous is not None and event.kind == "raw-read":
@@ -1049,24 +1053,113 @@ class _Analyzer:
             why = "global forward hooks are registered (they run around every module)"
             self.opaque[""] = why
             self._add(RawRead("", "", None, "opaque", why))
+        done: dict[Any, tuple[str, list[RawRead], dict[str, str]]] = {}
         for path, module in self.tree.modules.items():
-            self._hooks(module, path)
-            call = _class_attr(type(module), "__call__")
-            if call is not nn.Module.__call__ and path:
-                # Runs before the module's hooks: code of the parent, outside the module's own window.
-                parent = self.tree.parent(path) or ""
-                site = _Site(parent, frozenset(), f"{type(module).__name__}.__call__")
-                if self._callable(call, [(module,)], {}, site) is None:
-                    self._opaque(module, parent, f"{type(module).__name__}.__call__ cannot be read")
-            if not _runs_own_code(module):
+            # Repeated layers: a module shaped exactly like one analysed before (same classes, names, hooks and
+            # attribute holdings, all the way down) yields the same evidence, moved to its own path.
+            sig = self._signature(module)
+            seen = done.get(sig) if sig is not None else None
+            if seen is not None and self._replay(seen, path):
                 continue
-            try:
-                forward = _forward_function(module)
-                self._function(_source_function(forward), {}, (module,), path, frozenset(), forward_of=module)
-            except _Opaque as exc:
-                self.opaque[path] = str(exc)
-                self._add(RawRead(path, path, None, "opaque", str(exc)))
+            self._capture = []
+            opaque_before = dict(self.opaque)
+            self._module_code(module, path)
+            captured, self._capture = self._capture, None
+            added = {k: v for k, v in self.opaque.items() if k not in opaque_before}
+            if sig is not None and path and sig not in done:
+                done[sig] = (path, captured, added)
         return Analysis(list(self.events.values()), self.opaque)
+
+    def _module_code(self, module: nn.Module, path: str) -> None:
+        """Everything that runs as ``module``'s code: its hooks, a ``__call__`` override and its forward."""
+        self._hooks(module, path)
+        call = _class_attr(type(module), "__call__")
+        if call is not nn.Module.__call__ and path:
+            # Runs before the module's hooks: code of the parent, outside the module's own window.
+            parent = self.tree.parent(path) or ""
+            site = _Site(parent, frozenset(), f"{type(module).__name__}.__call__")
+            if self._callable(call, [(module,)], {}, site) is None:
+                self._opaque(module, parent, f"{type(module).__name__}.__call__ cannot be read")
+        if not _runs_own_code(module):
+            return
+        try:
+            forward = _forward_function(module)
+            self._function(_source_function(forward), {}, (module,), path, frozenset(), forward_of=module)
+        except _Opaque as exc:
+            self.opaque[path] = str(exc)
+            self._add(RawRead(path, path, None, "opaque", str(exc)))
+
+    def _signature(self, module: nn.Module) -> Any:
+        """A hashable description of everything the analysis of ``module``'s code can depend on (None: unique)."""
+        key = id(module)
+        if key in self._sigs:
+            return self._sigs[key]
+        self._sigs[key] = None  # a module reachable from itself: unique
+        path = self.tree.path_of.get(key, "")
+        holdings = []
+        for name, value in module.__dict__.items():
+            if name.startswith("_") or isinstance(value, (*_SCALARS, torch.Tensor)):
+                continue
+            held = self._held(value)
+            relative = []
+            for obj in held:
+                where = self.tree.path_of.get(id(obj)) if isinstance(obj, nn.Module) else None
+                if where is None or not self.tree.is_ancestor_or_self(path, where) or not path:
+                    return None  # holds something outside its own subtree
+                relative.append(where[len(path):])
+            holdings.append((name, type(value), tuple(relative)))
+        children = []
+        for name, child in module._modules.items():
+            child_sig = None if child is None else self._signature(child)
+            if child is not None and child_sig is None:
+                return None
+            children.append((name, child_sig))
+        if any(p is not None and self._shared(p) for p in module._parameters.values()):
+            return None  # a Parameter shared with another module: its evidence depends on where the other is
+        params = tuple((n, p is None) for n, p in module._parameters.items())
+        hooks = bool(module._forward_hooks or module._forward_pre_hooks)
+        sig = (type(module), module.__dict__.get("forward"), hooks, params, tuple(module._buffers), tuple(children),
+               tuple(holdings))
+        if hooks or "forward" in module.__dict__:
+            sig = None
+        self._sigs[key] = sig
+        return sig
+
+    def _shared(self, param: nn.Parameter) -> bool:
+        return len(self.tree.param_owners.get(id(param), ())) > 1
+
+    def _replay(self, seen: tuple[str, list[RawRead], dict[str, str]], path: str) -> bool:
+        """Re-add the evidence found for an identically shaped module at ``seen[0]``, moved to ``path``."""
+        old, events, opaque = seen
+        old_parent, new_parent = self.tree.parent(old) or "", self.tree.parent(path) or ""
+
+        def move(p: str) -> str | None:
+            if p == old or p.startswith(old + "."):
+                return path + p[len(old):]
+            return new_parent if p == old_parent else None
+
+        moved: list[RawRead] = []
+        for e in events:
+            reader, owner = move(e.reader), move(e.owner)
+            after = [move(a) for a in e.after_forward_of]
+            if reader is None or owner is None or any(a is None for a in after):
+                return False
+            param = None if e.param is None else move(e.param)
+            if e.param is not None and param is None:
+                return False
+            location = e.location.replace(f"below {old} ", f"below {path} ")
+            moved.append(RawRead(reader, owner, param, e.kind, location, frozenset(a for a in after if a)))
+        moved_opaque = {}
+        for p, why in opaque.items():
+            target = move(p)
+            if target is None:
+                return False
+            moved_opaque[target] = why
+        for event in moved:
+            self._add(event)
+        for p, why in moved_opaque.items():
+            self.opaque.setdefault(p, why)
+        return True
 
     def _hooks(self, module: nn.Module, path: str) -> None:
         hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
