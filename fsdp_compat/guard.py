@@ -128,6 +128,7 @@ class Guard:
         self._mode = _GuardMode(self)
         self._sharded: dict[int, tuple[Any, Any]] = {}  # id(sharded parameter) -> (FSDPParamGroup, FSDPParam)
         self._groups: list[Any] | None = None
+        self._roots: list[tuple[Any, Any, Any]] = []  # (FSDP2 root state, our final-callback wrapper, the one before)
         self._paths: dict[int, str] = {}
         self._pending: dict[Any, Any] = {}  # group -> its own post_forward_mesh_info, until the end of backward
         self._logged: set[int] = set()
@@ -146,10 +147,18 @@ class Guard:
         return bool(self._handles)
 
     def remove(self) -> None:
-        """Take the hooks off (groups it holds unsharded are released at the end of the current backward)."""
+        """Take the hooks off and give FSDP2 back its own callbacks and settings (call it between steps)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._restore()
+        for state, wrapper, previous in self._roots:
+            if vars(state).get("_root_post_backward_final_callback") is wrapper:
+                if isinstance(previous, functools.partial):
+                    state._root_post_backward_final_callback = previous
+                else:
+                    del state._root_post_backward_final_callback  # FSDP2's own method again
+        self._roots = []
         _GUARDS.pop(self.model, None)
 
     # ---------------------------------------------------------------------------------------- forward window
@@ -206,9 +215,11 @@ class Guard:
         if groups and not roots:
             raise AttributeError("no FSDP2 root state after the root's lazy init")
         for state in roots.values():
-            if "_root_post_backward_final_callback" not in vars(state):
-                original = state._root_post_backward_final_callback
-                state._root_post_backward_final_callback = functools.partial(self._final_callback, original)
+            current = state._root_post_backward_final_callback  # FSDP2's, or another guard's wrapper: chained
+            if not (isinstance(current, functools.partial) and current.func == self._final_callback):
+                wrapper = functools.partial(self._final_callback, current)
+                state._root_post_backward_final_callback = wrapper
+                self._roots.append((state, wrapper, current))
         self._groups = list(groups.values())
         self._paths = {id(m): path for path, m in self.model.named_modules(remove_duplicate=False)}
 

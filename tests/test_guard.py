@@ -190,6 +190,15 @@ def test_guard_reshards_after_a_no_grad_forward() -> None:
         assert probe["loss"] > 0
 
 
+def test_a_reinstalled_guard_still_guards() -> None:
+    """remove() gives FSDP2 back its callbacks; a new guard on the same sharded model takes over cleanly."""
+    result = _run(f"{MODELS}:passed_embedding", "legacy", ON, probe="probe_reinstall")
+    _assert_exact(result)
+    for probe in _probes(result):
+        assert probe["new_guard"] and probe["unshards"] == 1 and probe["missing_grads"] == [], probe
+        assert probe["all_sharded_after"], probe
+
+
 # ---------------------------------------------------------------------------------------------- no process group
 
 

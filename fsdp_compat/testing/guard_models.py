@@ -338,3 +338,31 @@ def probe_no_grad() -> dict[str, Any]:
         "all_sharded_after": all(g.is_sharded for g in groups),
         "reshard_after_forward_restored": all(g.post_forward_mesh_info is not None for g in groups),
     }
+
+
+def probe_reinstall() -> dict[str, Any]:
+    """Remove the guard, install a fresh one, train one more step: the new guard still finds the groups, unshards
+    at the read and has FSDP2 reduce-scatter every gradient (each parameter gets its sharded ``.grad``)."""
+    from fsdp_compat.guard import guard_of, install_guard
+
+    model = _MODELS[-1]
+    old = guard_of(model)
+    old.remove()
+    new = install_guard(model)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in _batch(torch.Generator().manual_seed(1)).items()}
+    model(**batch).loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    groups = [g for g in new._groups or [] if g.fsdp_params and g not in _root_groups(model)]
+    return {
+        "new_guard": new is not old,
+        "unshards": new.unshards,
+        "missing_grads": missing,
+        "all_sharded_after": all(g.is_sharded for g in groups),
+    }
+
+
+def _root_groups(model: nn.Module) -> list[Any]:
+    from fsdp_compat.guard import _param_groups
+
+    return _param_groups(model._get_fsdp_state())
