@@ -12,6 +12,10 @@ root wrapped last, returns None) and lets :func:`fsdp_compat.apply.apply_fsdp2` 
 after the patch. A future release that ships the upstream selector ``modules_to_wrap_fsdp2`` gets that function
 replaced instead (its own ``apply_fsdp2`` already looks the selector up at call time).
 
+skyrl-train and skyrl can be installed side by side (an upgraded environment): each is its own transaction,
+applied when its own ``fsdp_utils`` is imported, and logged on its own line. skyrl-train 0.3.1's missing
+``MixedPrecisionPolicy`` re-export is repaired inside that release's transaction (table row ``==0.3.1``).
+
 Activation: the ``.pth`` start-up hook (SkyRL's Ray workers share the driver's environment), or
 ``import fsdp_compat.adapters.skyrl`` in a custom entry point; ``FSDP_COMPAT=off`` disables both.
 """

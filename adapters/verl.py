@@ -16,7 +16,12 @@ main (0.10.0.dev)  ``apply_fsdp2`` looks it up at call time)   up in its module 
 =================  ==========================================  ==============================================
 
 Other versions (0.3.x has no FSDP2; anything newer is unknown): a warning and no patch (``FSDP_COMPAT_FORCE=1``
-applies the 0.7.1+ row anyway).
+applies the 0.7.1+ row anyway). The 0.7.1+ row also carries verl's GLM4V forward repair (``verl_glm4v``, deferred
+until verl imports its GLM4V code), in the same transaction.
+
+From 0.7.1 the replacement runs verl's own selector and removes only what would crash, so text models keep exactly
+verl's groups; on 0.4-0.7.0 fsdp-compat's plan applies the groups. A wrap list that matches no class of the model
+(an outdated ``transformer_layer_cls_to_wrap``) warns once and shards what verl would, never raising in a job.
 
 Activation, all of which only import this module: the ``verl.plugins`` entry point (verl >= 0.9.0 loads it on
 ``import verl``), ``VERL_USE_EXTERNAL_MODULES=fsdp_compat.adapters.verl`` (verl >= 0.6.0), the config drop-in
