@@ -8,9 +8,12 @@
    ``original_module`` inside it, and verl's list holds both (``fully_shard`` would split one Parameter across two
    groups); the adapter keeps the wrapper and leaves the inner module to it. No upstream test asserts on that module,
    so the expected set of failures is empty (``EXPECTED_FAILURES``), and the differences are asserted exactly.
+   (verl >= 0.7.1: earlier releases have no separate selector.)
 2. ``fsdp_config.wrap_policy.transformer_layer_cls_to_wrap`` naming a class the model does not have: verl trains
    (only its other rules shard); with the adapter it trains too, with one warning, never an exception. The direct
    API still raises. Crash first: GLM4V with that list crashes unpatched (verl still shards its position table).
+   The 2-rank runs go through the ``apply_fsdp2`` verl's call site binds, so they cover every release (0.4-0.7.0
+   replace ``apply_fsdp2`` itself).
 """
 
 from __future__ import annotations
@@ -34,13 +37,15 @@ except metadata.PackageNotFoundError:
     if REQUIRED:
         pytest.fail("verl is not installed (FSDP_COMPAT_REQUIRE=verl)", pytrace=False)
     pytest.skip("verl is not installed", allow_module_level=True)
-if Version("0.7.1") > VERL:
-    pytest.skip(f"verl {VERL} has no _select_fsdp2_wrap_targets (0.7.1+)", allow_module_level=True)
 
 from fsdp_compat.testing.harness import PARITY_TOL, run_training  # noqa: E402
 from fsdp_compat.testing.verl_smoke import GRID_SAMPLER_CRASH  # noqa: E402
 
 pytestmark = [pytest.mark.verl]
+#: the selector (and so verl's tests of it) exists from 0.7.1; 0.4-0.7.0 select inside apply_fsdp2
+needs_selector = pytest.mark.skipif(
+    Version("0.7.1") > VERL, reason=f"verl {VERL} has no _select_fsdp2_wrap_targets (0.7.1+)"
+)
 
 TESTS = Path(__file__).resolve().parent
 NO_HOOKS = {"FSDP_COMPAT_AUTOLOAD": "0", "VERL_USE_EXTERNAL_PLUGINS": "none"}
@@ -91,6 +96,7 @@ _UPSTREAM = """
 """
 
 
+@needs_selector
 def test_upstream_selector_tests_pass_against_verls_own_selector() -> None:
     """Baseline: the vendored file is verl's test of this release's selector (all pass unpatched)."""
     out = _python(_UPSTREAM.format(patched=False), env={"FSDP_COMPAT": "off"})
@@ -99,6 +105,7 @@ def test_upstream_selector_tests_pass_against_verls_own_selector() -> None:
         assert got["tested"] == got["verl"], case
 
 
+@needs_selector
 def test_upstream_selector_tests_against_the_adapter() -> None:
     out = _python(_UPSTREAM.format(patched=True))
     print(json.dumps(out["cases"], indent=1))
@@ -150,6 +157,7 @@ _OUTDATED = """
 """
 
 
+@needs_selector
 def test_outdated_wrap_list_warns_and_keeps_verls_selection_minus_unsafe() -> None:
     out = _python(_OUTDATED.format(outdated=OUTDATED))
     assert out["qwen2"]["adapter"] == out["qwen2"]["verl"] == ["model.embed_tokens", "lm_head"], out["qwen2"]
