@@ -1,7 +1,9 @@
 """The wrap planner: which modules get their own ``fully_shard`` group, in which order, and why.
 
-The invariant it guarantees (policy ``auto``): a module owns a group only if every read of its parameters happens
-while that group is unsharded. Evidence comes from :mod:`fsdp_compat.analysis`; every decision carries a reason;
+The invariant it guarantees (policy ``auto``): a module owns a group only if every read of its parameters that the
+static analysis sees happens while that group is unsharded. The analysis (:mod:`fsdp_compat.analysis`) counts
+whatever it cannot follow as a read, and the run-time guard (:mod:`fsdp_compat.guard`) covers reads no static
+analysis can see. Every decision carries a reason;
 the finished plan is checked against the evidence once more before it is returned, so a planning bug degrades to
 "kept in the root", never to a crash. A plan is a plain value: printable, comparable, testable without a process
 group. Only :mod:`fsdp_compat.apply` touches torch.distributed.

@@ -61,7 +61,10 @@ class LayersOnly(Policy):
 
 @dataclass(frozen=True)
 class Auto(Policy):
-    """Shard everything that can safely stay sharded; no plan it makes can crash.
+    """Shard everything that can safely stay sharded, as far as the static analysis can see.
+
+    The analysis is conservative (what it cannot follow counts as a read), and the run-time guard that
+    ``apply_fsdp2`` and the adapters install covers reads no static analysis can see.
 
     Candidates are the layer classes, every ``nn.Embedding`` and the output embedding. A candidate whose
     parameters are only used inside its own forward owns a group (as upstream does, so text models see no change).

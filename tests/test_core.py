@@ -17,6 +17,8 @@ from fsdp_compat.testing.zoo import ZOO, build_model, make_batch
 
 ZOO_NAMES = sorted(ZOO)
 PARITY = 1e-6
+# FSDP2's hooks reorder autograd's sum of a gradient with several consumers (T5's shared table): 1e-6 relative.
+SUM_ORDER_DIFFERS = frozenset({"t5-shared"})
 
 
 def _paths(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[str]:
@@ -198,6 +200,7 @@ def test_legacy_reproduces_the_glm4v_crash() -> None:
 @pytest.mark.parametrize(
     ("name", "crash"),
     [
+        ("glm4v-moe", GRID_SAMPLER_CRASH),  # the same raw vision position read as glm4v
         ("qwen2-fused-lmhead", "got mixed torch.Tensor and DTensor"),  # raw read in the root forward
         ("qwen2-zloss", "got mixed torch.Tensor and DTensor"),  # read after lm_head's own forward
         ("t5-shared", "is shared with a parameter already managed by another FSDP"),  # sharers split
@@ -224,7 +227,7 @@ def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
     )
     assert result.max_rel_grad_diff <= PARITY
     assert result.max_rel_param_diff <= PARITY
-    if name.startswith("glm4v"):
+    if name not in SUM_ORDER_DIFFERS:  # the README's figure: exactly 0.0
         assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
 
 
