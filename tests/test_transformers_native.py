@@ -201,3 +201,26 @@ def test_export_keeps_no_reshard_groups_and_wildcards_layers():
         "model.layers.*": "free_full_weight",
         "lm_head": "keep_full_weight",
     }
+
+
+def test_expand_fsdp_plan_row_filters_the_target_lists():
+    """transformers 5.16-5.22 row: ``expand_fsdp_plan`` returns (reshard, no-reshard) target lists; the replacement
+    returns them without the unsafe entry (the shape of 5.16.1's function, which 5.24 no longer ships)."""
+    model = build_tiny("glm4v")
+    plan = {
+        **GLM4V_USER_PLAN,
+        "model.language_model.layers.0": "free_full_weight",
+        "model.language_model.norm": "keep_full_weight",
+    }
+
+    def expand_fsdp_plan(model, fsdp_plan):
+        targets = [(name, model.get_submodule(name)) for name in fsdp_plan]
+        return (
+            [t for t in targets if fsdp_plan[t[0]] != "keep_full_weight"],
+            [t for t in targets if fsdp_plan[t[0]] == "keep_full_weight"],
+        )
+
+    expand_fsdp_plan.__module__ = fsdp_module.__name__
+    reshard, keep = adapter.make_expand_fsdp_plan(expand_fsdp_plan, "auto")(model, plan)
+    assert [name for name, _ in reshard] == ["model.language_model.layers.0"]
+    assert [name for name, _ in keep] == ["model.language_model.norm"]
