@@ -14,7 +14,8 @@ transformers      replaced in ``transformers.distributed.fsdp``
                   ``apply_fully_sharded_data_parallelism`` looks it up at call time)
 ================  ==============================================================================================
 
-5.24.0 is tested end to end; 5.23.0's ``fsdp.py`` is identical to 5.24.0's, and 5.16.1 - 5.22.x were read, not run.
+5.24.0 is tested end to end; 5.23.0's ``fsdp.py`` is identical to 5.24.0's; 5.16.1's row ran in one process
+(planning only); 5.17 - 5.22 were read, not run.
 
 Some plans crash: untied Gemma4 reads ``embed_tokens.weight[pad_token_id]`` after that group resharded
 (``aten.where.self got mixed torch.Tensor and DTensor``); a user plan listing GLM4V's
