@@ -10,8 +10,6 @@ by module path gives the inner module a group and ``F.grid_sample`` gets a shard
 from __future__ import annotations
 
 import os
-import traceback
-from datetime import timedelta
 from typing import Any
 
 __all__ = ["PEFT_CONFIGS", "peft_rank"]
@@ -34,15 +32,11 @@ def build_peft_glm4v(config: str, seed: int = 0) -> Any:
         return get_peft_model(model, LoraConfig(**PEFT_CONFIGS[config]))
 
 
-def _full(t: Any) -> Any:
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
-
-
 def _case(config: str, policy: str, guard: bool, mesh: Any, steps: int) -> dict[str, Any]:
     import torch
 
     from fsdp_compat.apply import apply_fsdp2
+    from fsdp_compat.testing.read_corpus import full_tensor
     from fsdp_compat.testing.zoo import make_batch
 
     os.environ["FSDP_COMPAT_GUARD"] = "on" if guard else "off"
@@ -61,7 +55,7 @@ def _case(config: str, policy: str, guard: bool, mesh: Any, steps: int) -> dict[
         loss.backward()
         twin(**batch).loss.backward()
         for name, p in model.named_parameters():
-            got, want = (None if p.grad is None else _full(p.grad)), ref[name].grad
+            got, want = (None if p.grad is None else full_tensor(p.grad)), ref[name].grad
             if got is None or want is None:  # unused by this forward (e.g. LoRA factors of a raw-read table)
                 worst = max(worst, 0.0 if got is None and want is None else float("inf"))
             else:
@@ -72,33 +66,19 @@ def _case(config: str, policy: str, guard: bool, mesh: Any, steps: int) -> dict[
         ref_opt.zero_grad()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                worst = max(worst, float((_full(p) - ref[name]).abs().max()))
+                worst = max(worst, float((full_tensor(p) - ref[name]).abs().max()))
         losses.append(float(loss.detach()))
     record.update(max_abs_diff=worst, losses=losses, trainable=len(trainable))
     return record
 
 
 def peft_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    """Run every (config, policy, guard) case of ``cfg["cases"]``; a case that raises is recorded."""
+    """Rank routine: every (config, policy, guard) case of ``cfg["cases"]``; a case that raises is recorded."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compat.testing.read_corpus import run_cases
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=cfg["world_size"],
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
-    mesh = init_device_mesh("cpu", (cfg["world_size"],))
-    results: dict[str, Any] = {}
-    for config, policy, guard in cfg["cases"]:
-        key = f"{config}|{policy}|{'guard' if guard else 'noguard'}"
-        try:
-            results[key] = {"ok": True, **_case(config, policy, guard, mesh, cfg.get("steps", 2))}
-        except Exception as exc:
-            results[key] = {
-                "ok": False,
-                "exception": traceback.format_exception_only(type(exc), exc)[-1].strip(),
-                "traceback": traceback.format_exc()[-2000:],
-            }
-    extra["results"] = results
+    steps = cfg.get("steps", 2)
+    extra["results"] = run_cases(cfg, rank, lambda config, policy, guard, mesh: _case(config, policy, guard, mesh,
+                                                                                      steps))

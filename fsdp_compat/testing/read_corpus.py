@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PATTERNS", "corpus_rank"]
+__all__ = ["PATTERNS", "corpus_rank", "full_tensor", "run_cases"]
 
 VOCAB, DIM = 8, 4
 
@@ -475,7 +475,8 @@ def _ids() -> torch.Tensor:
     return torch.tensor([[1, 2, 3], [4, 5, 6]])
 
 
-def _full(t: Any) -> torch.Tensor | None:
+def full_tensor(t: Any) -> torch.Tensor | None:
+    """A DTensor's full value (a collective), else the tensor itself."""
     if t is None:
         return None
     full = getattr(t, "full_tensor", None)
@@ -507,7 +508,7 @@ def _train(name: str, policy: str, guard: bool, mesh: Any, steps: int, perturb: 
             ref_loss = ref_loss * (1 + 1e-6)
         ref_loss.backward()
         for pname, p in model.named_parameters():
-            got, ref = _full(p.grad), ref_params[pname].grad
+            got, ref = full_tensor(p.grad), ref_params[pname].grad
             if got is None or ref is None:
                 worst = max(worst, 0.0 if got is None and ref is None else float("inf"))
                 continue
@@ -518,14 +519,14 @@ def _train(name: str, policy: str, guard: bool, mesh: Any, steps: int, perturb: 
         ref_opt.zero_grad()
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                worst = max(worst, float((_full(p) - ref_params[pname]).abs().max()))
+                worst = max(worst, float((full_tensor(p) - ref_params[pname]).abs().max()))
     record["max_abs_diff"] = worst
     return record
 
 
-def corpus_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    """Train every (pattern, policy, guard) case in ``cfg["cases"]`` in this one process; a case that raises is
-    recorded (exception line and traceback tail) and the next one runs."""
+def run_cases(cfg: dict[str, Any], rank: int, case: Callable[[str, str, bool, Any], dict[str, Any]]) -> dict[str, Any]:
+    """Join the gloo group, then run ``case(name, policy, guard, mesh)`` for every ``cfg["cases"]`` entry in this
+    one process; a case that raises is recorded (exception line, traceback tail) and the next one runs."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -540,13 +541,19 @@ def corpus_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     for name, policy, guard in cfg["cases"]:
         key = f"{name}|{policy}|{'guard' if guard else 'noguard'}"
         try:
-            record = _train(name, policy, guard, mesh, cfg.get("steps", 2), cfg.get("perturb", False))
-            results[key] = {"ok": True, **record}
+            results[key] = {"ok": True, **case(name, policy, guard, mesh)}
         except Exception as exc:
             results[key] = {
                 "ok": False,
                 "exception": traceback.format_exception_only(type(exc), exc)[-1].strip(),
-                "traceback": traceback.format_exc()[-1500:],
+                "traceback": traceback.format_exc()[-2000:],
             }
-    extra["results"] = results
-    dist.destroy_process_group()
+    return results
+
+
+def corpus_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """Rank routine: train every (pattern, policy, guard) case of ``cfg["cases"]`` against its twin."""
+    steps, perturb = cfg.get("steps", 2), cfg.get("perturb", False)
+    extra["results"] = run_cases(
+        cfg, rank, lambda name, policy, guard, mesh: _train(name, policy, guard, mesh, steps, perturb)
+    )
