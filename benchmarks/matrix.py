@@ -4,9 +4,10 @@ wrap rule in use, trained on 2 gloo ranks; each cell says whether it crashed or 
 ``python -m benchmarks matrix [--models a,b] [--rules r,s] [--world-size 2] [--steps 2] [--chunk 6]``
 
 Rules: ``verl`` (policy ``legacy``: verl >= 0.7.1, AReaL, ROLL, miles copy it), ``skyrl`` (``legacy-skyrl``),
-``input-only`` (the fix proposed upstream), ``native`` (transformers' own plan, as ``from_pretrained(...,
-distributed_config=...)`` applies it, through ``transformers.distributed.fsdp.apply_fully_sharded_data_parallelism``),
-``native+fc`` (the same plan after fsdp-compat's transformers adapter), ``accelerate`` (accelerate 1.15's
+``input-only`` (the fix proposed upstream), ``native`` (transformers' own plan: the model is saved with
+``save_pretrained`` and loaded with ``from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=W))``, the
+reference with a plain ``from_pretrained``), ``native+fc`` (the same load with fsdp-compat's transformers adapter
+patched in), ``accelerate`` (accelerate 1.15's
 ``fsdp2_prepare_model`` grouping, with accelerate's own bottom-up walk and final-norm finder) and ``auto``.
 
 Runs are real: each rank builds every model of a chunk, trains an unsharded reference once (2 AdamW steps, fp32,
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+NATIVE = ("native", "native+fc")
 RULES = ("verl", "skyrl", "input-only", "native", "native+fc", "accelerate", "auto")
 POLICY_OF = {"verl": "legacy", "skyrl": "legacy-skyrl", "input-only": "input-only", "auto": "auto"}
 TOL = 1e-6
@@ -228,7 +230,13 @@ def build(name: str, seed: int = 0) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = ARCHS[name][1]()
-    model = model.float()
+    return train_mode(model.float())
+
+
+def train_mode(model: Any) -> Any:
+    """Train mode with every dropout off (parity needs a deterministic forward)."""
+    import torch
+
     model.train()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -323,36 +331,34 @@ def rule_groups(rule: str, model: Any, world_size: int) -> Groups:
     raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
 
 
-class _MeshManager:
-    """What transformers' ``apply_fully_sharded_data_parallelism`` asks of its mesh manager."""
-
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-
-    def get_mesh(self, _names: Any) -> Any:
-        return self.mesh
-
-
-def apply_rule(rule: str, model: Any, groups: Groups, mesh: Any, world_size: int) -> None:
-    """Shard ``model``: transformers' own function for the native rules, else ``groups`` then the root."""
+def apply_rule(model: Any, groups: Groups, mesh: Any) -> None:
+    """Shard ``model``: ``groups`` bottom-up, then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    if rule in ("native", "native+fc"):
-        import transformers
-        from transformers.distributed import fsdp
-
-        make_apply_fully_sharded_data_parallelism = transformers_adapter().make_apply_fully_sharded_data_parallelism
-
-        model.config.distributed_config = transformers.DistributedConfig(fsdp_size=world_size)
-        apply = fsdp.apply_fully_sharded_data_parallelism
-        if rule == "native+fc":
-            apply = make_apply_fully_sharded_data_parallelism(apply, "auto")
-        apply(model, _MeshManager(mesh), _native_plan(model, world_size), {})
-        return
     for paths, reshard in groups:
         modules = [model.get_submodule(p) for p in paths]
         fully_shard(modules[0] if len(modules) == 1 else modules, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
+
+
+def load_native(base: Any, directory: Path, world_size: int, rule: str | None) -> Any:
+    """The user's path for the native rules: ``from_pretrained(directory, distributed_config=...)`` (``native+fc``:
+    with fsdp-compat's transformers adapter patched in for the call); ``rule=None`` loads the unsharded reference."""
+    import torch
+    import transformers
+
+    load: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
+    if rule is not None:
+        load["distributed_config"] = transformers.DistributedConfig(fsdp_size=world_size)
+    adapter = transformers_adapter() if rule == "native+fc" else None
+    if adapter is not None:
+        adapter.patch()
+    try:
+        model = type(base).from_pretrained(str(directory), **load)
+    finally:
+        if adapter is not None:
+            adapter.unpatch()
+    return train_mode(model)
 
 
 def predict(model: Any, groups: Groups, evidence: Any) -> str:
@@ -455,15 +461,25 @@ def matrix_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
         batch = make_batch(name, ARCHS[name][0])
         reference = _trace(copy.deepcopy(base), batch, cfg["steps"])
         evidence = find_raw_reads(base).events
+        native_reference = None
+        directory = Path(cfg["workdir"]) / name
+        if any(rule in NATIVE for rule in cfg["rules"]):
+            if rank == 0:
+                base.save_pretrained(directory)
+            torch.distributed.barrier()
+            native_reference = _trace(load_native(base, directory, world, None), batch, cfg["steps"])
         for rule in cfg["rules"]:
-            cell: dict[str, Any] = {"tied": bool(getattr(base, "all_tied_weights_keys", None))}
+            cell: dict[str, Any] = {}
             model = copy.deepcopy(base)
             try:
                 groups = rule_groups(rule, model, world)
                 cell["predicted"] = predict(model, groups, evidence)
-                apply_rule(rule, model, groups, mesh, world)
+                if rule in NATIVE:
+                    model = load_native(base, directory, world, rule)
+                else:
+                    apply_rule(model, groups, mesh)
                 cell["groups"], cell["root_pct"] = _root_share(model)
-                cell["rel"] = _compare(model, batch, reference)
+                cell["rel"] = _compare(model, batch, native_reference if rule in NATIVE else reference)
                 cell["outcome"] = "exact" if cell["rel"] <= TOL else "diff"
             except Exception as exc:
                 cell.update(outcome="crash", error=_short(exc), traceback=traceback.format_exc()[-3000:])
@@ -479,15 +495,18 @@ def matrix_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 def run_matrix(
     models: list[str], rules: list[str], *, world_size: int, steps: int, chunk: int, verbose: bool = False
 ) -> dict[str, Any]:
+    import tempfile
+
     from fsdp_compat.testing.harness import run_ranks
 
     cells: dict[str, Any] = {}
+    workdir = tempfile.TemporaryDirectory(prefix="fsdp_compat_matrix_")
     for start in range(0, len(models), chunk):
         part = models[start : start + chunk]
         t0 = time.monotonic()
         result = run_ranks(
             "benchmarks.matrix:matrix_rank",
-            {"models": part, "rules": rules, "steps": steps},
+            {"models": part, "rules": rules, "steps": steps, "workdir": workdir.name},
             world_size=world_size,
             timeout_s=120.0 + 60.0 * len(part),
             env={"PYTHONPATH": str(ROOT), "FSDP_COMPAT": "off"},
@@ -503,6 +522,7 @@ def run_matrix(
             for rule in rules:
                 cells[f"{name}|{rule}"] = got.get(f"{name}|{rule}", {"outcome": "no result", "error": "rank failed"})
         print(f"  {', '.join(part)}: {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+    workdir.cleanup()
     return cells
 
 
@@ -516,8 +536,6 @@ def _cell_text(cell: dict[str, Any], rule: str) -> str:
         text = f"diff {cell['rel']:.2g} {cell['groups']}/{cell['root_pct']:.0f}%"
     else:
         text = f"{outcome}: {cell.get('error', '')}"
-    if cell.get("tied") and rule.startswith("native"):
-        text += " †"
     ran_ok = outcome in ("exact", "diff")
     predicted = cell.get("predicted")
     if predicted and (predicted == "crash") == ran_ok:
@@ -556,9 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{len(models)} models x {len(rules)} rules on {args.world_size} gloo ranks, {args.steps} AdamW steps, "
         f"fp32; cells: 'exact g/r%' = exact parity (<= {TOL:g} relative), g groups besides the root, r % of the "
-        f"parameters in the root; {crashed} crashed; {time.monotonic() - t0:.0f}s wall.\n† tied weights (the model "
-        "is built in memory with its tie in place, while from_pretrained ties after sharding): the native column "
-        "shows transformers' plan applied to the tied model"
+        f"parameters in the root; {crashed} crashed; {time.monotonic() - t0:.0f}s wall"
     )
     return 0
 
