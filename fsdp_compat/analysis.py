@@ -1095,6 +1095,8 @@ class _Analyzer:
         if key in self._sigs:
             return self._sigs[key]
         self._sigs[key] = None  # a module reachable from itself: unique
+        if not all(type(d) is dict for d in (module._parameters, module._buffers, module._modules)):
+            return None  # e.g. a ScriptModule's registries: not plain dicts
         path = self.tree.path_of.get(key, "")
         holdings = []
         for name, value in module.__dict__.items():
