@@ -301,6 +301,7 @@ def run_model(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     env.setdefault("FSDP_COMPAT", "off")  # no start-up hooks in the ranks: they measure the core only
+    env.setdefault("FSDP_COMPAT_GUARD", "off")  # plans as planned: upstream rules crash; `benchmarks guard` measures it
     start = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
     failure = None

@@ -96,10 +96,21 @@ def _distribution_line(distribution: str, spec: str, trigger: str, patched: dict
     line = f"  {distribution} {raw}: {verdict} (supported: {spec})"
     if distribution in patched:
         _, activated_by, policy = patched[distribution]
-        return f"{line}; patched in this process (policy {policy}, activated by {activated_by})"
-    if trigger in sys.modules:
-        return f"{line}; NOT patched in this process, although {trigger} is imported"
-    return f"{line}; not imported in this process"
+        line = f"{line}; patched in this process (policy {policy}, activated by {activated_by})"
+    elif trigger in sys.modules:
+        line = f"{line}; NOT patched in this process, although {trigger} is imported"
+    else:
+        line = f"{line}; not imported in this process"
+    return "\n".join([line, *(f"    {note}" for note in _notes(distribution, raw))])
+
+
+def _notes(distribution: str, raw: str) -> list[str]:
+    from fsdp_compat.known_limits import notes
+
+    try:
+        return notes(distribution, Version(raw))
+    except InvalidVersion:
+        return []
 
 
 def _adapter_lines(key: str, entry: AdapterEntry) -> list[str]:

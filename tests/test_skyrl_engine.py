@@ -134,6 +134,11 @@ def test_which_skyrl_model_builders_load_glm4v(saved: dict[str, str]) -> None:
     else:
         assert seen["policy"] == {"error": GLM4V_LOAD_ERROR}, seen
     assert seen["critic"] == {"error": GLM4V_CRITIC_ERROR}, seen
+    # doctor states the same fact for the installed release (its one home is fsdp_compat.known_limits)
+    from fsdp_compat.doctor import report
+
+    doctor_line = "the policy and ref models load it" if "loaded" in seen["policy"] else "this release cannot load it"
+    assert f"GLM4V: {doctor_line}" in report()
 
 
 # ---------------------------------------------------------------------------- _fsdp_init_model reproduction

@@ -26,6 +26,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from fsdp_compat.known_limits import SKYRL_GLM4V_POLICY_RELEASES, skyrl_loads_glm4v
 from fsdp_compat.testing.harness import SmokeRow, format_smoke_table, run_training
 
 __all__ = [
@@ -52,9 +53,8 @@ MPP_IMPORT_ERROR = "cannot import name 'MixedPrecisionPolicy'"
 #: Releases whose apply_fsdp2 indexes ``_no_split_modules`` with [0] (a set in transformers 5).
 SET_INDEX_RELEASES = {"skyrl-train": SpecifierSet("<0.4"), "skyrl": SpecifierSet("<0.2")}
 
-#: Releases whose policy/ref ``HFModelWrapper`` builds ``AutoModelForImageTextToText`` for a config with a
-#: ``vision_config``; the others (and ``language_model_only`` / the critic everywhere) cannot load GLM4V at all.
-VLM_POLICY_RELEASES = {"skyrl": SpecifierSet(">=0.2")}
+#: Releases whose policy/ref model loads GLM4V: the one home is :mod:`fsdp_compat.known_limits` (doctor prints it).
+VLM_POLICY_RELEASES = {dist: SpecifierSet(spec) for dist, spec in SKYRL_GLM4V_POLICY_RELEASES.items()}
 GLM4V_LOAD_ERROR = (
     "ValueError: Unrecognized configuration class <class 'transformers.models.glm4v.configuration_glm4v.Glm4vConfig'>"
     " for this kind of AutoModel: AutoModelForCausalLM."
@@ -64,8 +64,7 @@ GLM4V_CRITIC_ERROR = "AttributeError: 'Glm4vConfig' object has no attribute 'hid
 
 def loads_glm4v(distribution: str, version: Version) -> bool:
     """Whether this SkyRL release's policy (and ref) model builder can load GLM4V."""
-    releases = VLM_POLICY_RELEASES.get(distribution)
-    return releases is not None and version in releases
+    return skyrl_loads_glm4v(distribution, version)
 
 
 #: Rank-side choice of SkyRL config: "default" (the release's shipped defaults, no wrap policy), "explicit"
