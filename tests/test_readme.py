@@ -38,7 +38,7 @@ def test_readme_snippet_runs_as_written(index: int, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "pattern",
-    [r"\bissue \d+\b", r"\bthis session\b", r"shared/DESIGN\.md", r"shared/FACTS\.md", r"\bhelper\b"],
+    [r"\bissue \d+\b", r"\bthis session\b", r"shared/DESIGN\.md", r"shared/FACTS\.md"],
 )
 def test_readme_has_no_internal_notes(pattern: str) -> None:
     hits = [line for line in README.read_text(encoding="utf-8").splitlines() if re.search(pattern, line, re.I)]

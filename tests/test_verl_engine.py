@@ -70,6 +70,11 @@ OFFLOAD = [
 
 #: verl.plugin.platform (the public platform registry) and VERL_ENGINE_DEVICE arrived in 0.9.0
 ENGINE_ON_CPU = SpecifierSet(">=0.9.0").contains(VERL, prereleases=True)
+#: verl/models/transformers/glm4v.py (verl's own GLM4V forward) arrived in 0.6.0
+has_glm4v_forward = pytest.mark.skipif(
+    not SpecifierSet(">=0.6.0").contains(VERL, prereleases=True),
+    reason=f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)",
+)
 needs_engine = pytest.mark.skipif(
     not SpecifierSet(">=0.8.0").contains(VERL, prereleases=True) or (DEVICE == "cpu" and not ENGINE_ON_CPU),
     reason=f"verl {VERL}: the TrainingWorker engine path is 0.8.0+ (older releases train through fsdp_workers, "
@@ -260,6 +265,7 @@ def _probe(env: dict[str, str]) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@has_glm4v_forward
 def test_glm4v_forward_matches_transformers() -> None:
     """transformers 5 (verl 0.7.1+): verl's GLM4V forward, repaired, gives transformers' own logits bit for bit;
     verl's own function crashes on the first image (asserted); the repair is deferred, logged, undone by unpatch.
@@ -267,8 +273,7 @@ def test_glm4v_forward_matches_transformers() -> None:
     nothing is repaired, and verl's forward cannot run there at all, fsdp-compat or not: it insists on 4-row
     position ids (text + 3 mrope rows) that 4.57's Glm4vTextModel hands to its 3-row rotary embedding."""
     out = _probe({"FSDP_COMPAT": ""})
-    if not out["has_glm4v_forward"]:
-        pytest.skip(f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)")
+    assert out["has_glm4v_forward"], out
     print(f"verl {VERL} GLM4V forward: {out}")
     assert out["state"]["patched"] and out["state"]["glm4v_repaired"] == TRANSFORMERS_5, out["state"]
     if TRANSFORMERS_5:
@@ -281,10 +286,10 @@ def test_glm4v_forward_matches_transformers() -> None:
         assert out["error"] == ROPE_CRASH_TF4, out
 
 
+@has_glm4v_forward
 def test_glm4v_forward_unrepaired_when_off() -> None:
     """FSDP_COMPAT=off installs nothing: on transformers 5 verl's own forward then fails on the first image."""
     out = _probe({"FSDP_COMPAT": "off"})
-    if not out["has_glm4v_forward"]:
-        pytest.skip(f"verl {VERL} has no GLM4V forward of its own (verl/models/transformers/glm4v.py: 0.6.0+)")
+    assert out["has_glm4v_forward"], out
     assert not out["state"]["patched"] and not out["state"]["glm4v_repaired"], out
     assert out["error"] == (SHAPE_CRASH if TRANSFORMERS_5 else ROPE_CRASH_TF4), out
