@@ -391,15 +391,11 @@ def _keep_sharers_together(
                     {},
                 )
                 continue
-            top = sharers[0]
-            for s in sharers[1:]:
-                top = tree.lca(top, s)
             why = f"shares a Parameter with {', '.join(x for x in sharers if x)}; kept with them in an enclosing group"
-            for s in sharers:
-                for node in [s, *tree.path_between(s, top, include_low=False)] if s != top else []:
-                    for key in list(decisions.roots):
-                        if node in key:
-                            decisions.drop(key, why)
+            for node in tree.below_common_ancestor(sharers):
+                for key in list(decisions.roots):
+                    if node in key:
+                        decisions.drop(key, why)
         if not changed:
             return
 

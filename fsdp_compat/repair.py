@@ -77,13 +77,9 @@ def _split_sharers(
     for sharers in sharer_sets:
         if len({decisions.group_of(tree, s, members) for s in sharers}) <= 1:
             continue
-        top = sharers[0]
-        for s in sharers[1:]:
-            top = tree.lca(top, s)
         why = f"{', '.join(sharers)} hold one Parameter, which fully_shard cannot split across groups"
-        for s in sharers:
-            for node in [s, *tree.path_between(s, top, include_low=False)] if s != top else []:
-                out.extend((key, why, node) for key in decisions.roots if node in key)
+        for node in tree.below_common_ancestor(sharers):
+            out.extend((key, why, node) for key in decisions.roots if node in key)
     return out
 
 

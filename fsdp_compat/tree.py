@@ -6,7 +6,8 @@ answering them from one index keeps each question O(depth) and the planner free 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -93,6 +94,12 @@ class ModuleTree:
                 break
             nodes.append(ancestor)
         return nodes
+
+    def below_common_ancestor(self, paths: Sequence[str]) -> list[str]:
+        """Every module from each of ``paths`` up to their lowest common ancestor (excluded): the modules that may not
+        own a group while the modules at ``paths`` (sharers of one Parameter) sit together in an enclosing one."""
+        top = functools.reduce(self.lca, paths)
+        return [node for p in paths if p != top for node in [p, *self.path_between(p, top, include_low=False)]]
 
     def depth(self, path: str) -> int:
         return 0 if path == "" else path.count(".") + 1
