@@ -73,8 +73,8 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
 
     @functools.wraps(original)
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, wrap_policy: Any = None) -> None:
-        from fsdp_compat.guard import install_guard
         from fsdp_compat.policies import resolve_policy
+        from fsdp_compat.runtime import install_runtime
 
         from ._selection import bottom_up, outdated_fallback, unmatched, unsafe_targets
 
@@ -98,7 +98,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
             utils.fully_shard(module, **kwargs)
         with utils.maybe_patch_fsdp_module(model):
             utils.fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
-        install_guard(model)  # a read the analysis did not foresee unshards its group instead of crashing
+        install_runtime(model)  # the run-time guard, and mixed micro-batches kept in step
         return None
 
     apply_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]

@@ -94,13 +94,13 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
             from torch.distributed.fsdp import fully_shard
 
-            from fsdp_compat.guard import install_guard
             from fsdp_compat.policies import resolve_policy
+            from fsdp_compat.runtime import install_runtime
 
             for module in outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed):
                 fully_shard(module, **dict(fsdp_kwargs or {}))
             fully_shard(model, **dict(fsdp_kwargs or {}))  # the root last, as SkyRL does
-            install_guard(model)  # a read the plan did not foresee unshards its group instead of crashing
+            install_runtime(model)  # the run-time guard, and mixed micro-batches kept in step
             return
         plan = core_apply_fsdp2(model, fsdp_kwargs, names, policy=policy)
         logger.debug("skyrl apply_fsdp2 (policy %s):\n%s", policy, plan)
@@ -114,9 +114,9 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
 
     @functools.wraps(original)
     def modules_to_wrap_fsdp2(model: Any, cls_names: Any = None, *args: Any, **kwargs: Any) -> list[Any]:
-        from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import select_wrap_targets
         from fsdp_compat.policies import resolve_policy
+        from fsdp_compat.runtime import install_runtime
 
         from ._selection import outdated_fallback, unmatched
 
@@ -127,7 +127,7 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
         else:
             targets = select_wrap_targets(model, names, policy=policy)
         # after the analysis (which reads the model's own forwards), before SkyRL's own fully_shard calls
-        install_guard(model)
+        install_runtime(model)
         return targets
 
     modules_to_wrap_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]

@@ -146,7 +146,11 @@ def make_apply_fully_sharded_data_parallelism(original: Callable[..., Any], poli
     def apply_fully_sharded_data_parallelism(
         model: Any, mesh_manager: Any, fsdp_plan: dict[str, str], *args: Any, **kwargs: Any
     ) -> Any:
-        return original(model, mesh_manager, _fixed(model, fsdp_plan, original, policy), *args, **kwargs)
+        from fsdp_compat.runtime import install_runtime
+
+        result = original(model, mesh_manager, _fixed(model, fsdp_plan, original, policy), *args, **kwargs)
+        install_runtime(model)  # the guard, and a rank without images still runs the vision tower's collectives
+        return result
 
     apply_fully_sharded_data_parallelism.__fsdp_compat__ = True  # type: ignore[attr-defined]
     return apply_fully_sharded_data_parallelism

@@ -121,9 +121,9 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
 
     @functools.wraps(original)
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any) -> None:
-        from fsdp_compat.guard import install_guard
         from fsdp_compat.plan import plan_wrap
         from fsdp_compat.policies import resolve_policy
+        from fsdp_compat.runtime import install_runtime
 
         from ._selection import outdated_fallback, unmatched
 
@@ -147,7 +147,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
                     fully_shard(target, **{**kwargs, **group.overrides})
         with context(model):
             fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
-        install_guard(model)  # a read the plan did not foresee unshards its group instead of crashing
+        install_runtime(model)  # the run-time guard, and mixed micro-batches kept in step
         logger.debug("verl apply_fsdp2 (policy %s):\n%s", policy, plan)
 
     apply_fsdp2.__fsdp_compat__ = True  # type: ignore[attr-defined]
@@ -199,8 +199,8 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
     def _select_fsdp2_wrap_targets(
         model: Any, fsdp_transformer_layer_cls_to_wrap: Iterable[str] | str | None = None, *args: Any, **kwargs: Any
     ) -> list[Any]:
-        from fsdp_compat.guard import install_guard
         from fsdp_compat.policies import resolve_policy
+        from fsdp_compat.runtime import install_runtime
 
         from ._selection import bottom_up, unmatched, unsafe_targets, warn_unmatched
 
@@ -214,7 +214,7 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
             else:
                 warn_unmatched("verl", model, outdated, ["verl's own selection"])
                 chosen = list(original(model, names, *args, **_accepted(original, kwargs)))
-            install_guard(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
+            install_runtime(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
             return chosen
         targets = list(original(model, names, *args, **_accepted(original, kwargs)))  # the release's own candidates
         why = unsafe_targets(model, targets)
@@ -234,7 +234,7 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
                 "; ".join(dropped),
             )
         # after the analysis (which reads the model's own forwards), before verl's own fully_shard calls
-        install_guard(model)
+        install_runtime(model)
         return kept
 
     _select_fsdp2_wrap_targets.__fsdp_compat__ = True  # type: ignore[attr-defined]

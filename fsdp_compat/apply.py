@@ -27,7 +27,7 @@ def apply_fsdp2(
     """
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_compat.guard import install_guard
+    from fsdp_compat.runtime import install_runtime
 
     plan = plan_wrap(model, layer_classes, policy=policy)
     kwargs = dict(fsdp_kwargs or {})
@@ -35,5 +35,5 @@ def apply_fsdp2(
         target: nn.Module | list[nn.Module] = list(group.modules) if len(group.modules) > 1 else group.modules[0]
         fully_shard(target, **{**kwargs, **group.overrides})
     fully_shard(model, **kwargs)
-    install_guard(model)
+    install_runtime(model)
     return plan

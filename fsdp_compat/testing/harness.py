@@ -32,6 +32,9 @@ __all__ = [
     "SmokeRow",
     "WrapFn",
     "format_smoke_table",
+    "gradient_reduction_factor",
+    "rank_batches",
+    "reference_backward",
     "run_ranks",
     "run_training",
 ]
@@ -229,13 +232,19 @@ def run_training(
     wrap_kwargs: dict[str, Any] | None = None,
     probe: WrapFn | None = None,
     python: str | None = None,
+    variants: list[str] | None = None,
+    same_batch: bool = False,
 ) -> RunResult:
-    """Train zoo model ``model`` for ``steps`` AdamW steps on ``world_size`` ranks under ``wrap``.
+    """Train zoo model ``model`` for ``steps`` AdamW steps on ``world_size`` ranks under ``wrap``: data-parallel.
 
-    Every rank builds the model with ``seed``, deep-copies it as the single-process reference, calls the wrap
-    fn as ``fn(model, fsdp_kwargs)`` and compares gradients after each backward and parameters after each step
-    against the reference. ``env`` is set in each rank before Python starts (a None value unsets that
-    variable); ``python`` runs the ranks under another interpreter (e.g. a framework's venv).
+    Every rank builds the model with ``seed`` and its own micro-batch (seed ``seed + rank``; ``variants[rank]``
+    picks a vision-language model's kind of batch, e.g. ``["image", "text"]``), deep-copies the model as the
+    single-process reference, and calls the wrap fn as ``fn(model, fsdp_kwargs)``. The reference trains on all the
+    ranks' micro-batches with the mean of their losses (one backward per micro-batch of ``loss / world_size``,
+    so that with 2 ranks its gradient sums are the ones FSDP2's reduce-scatter makes: exact, 0.0). Gradients are
+    compared after each backward and parameters after each AdamW step. ``same_batch`` gives every rank rank 0's
+    micro-batch. ``env`` is set in each rank before Python starts (a None value unsets that variable); ``python``
+    runs the ranks under another interpreter (e.g. a framework's venv).
     """
     if world_size < 1:
         from fsdp_compat.errors import FsdpCompatError
@@ -249,7 +258,13 @@ def run_training(
         "device": device,
         "seed": seed,
         "wrap_kwargs": wrap_kwargs or {},
+        "variants": list(variants) if variants else None,
+        "same_batch": same_batch,
     }
+    if variants is not None and len(variants) != world_size:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"variants names one batch kind per rank: {len(variants)} for {world_size} ranks")
     return run_ranks(
         "fsdp_compat.testing.harness:_train", cfg, world_size=world_size, timeout_s=timeout_s, env=env, python=python
     )
@@ -439,7 +454,7 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compat.testing.zoo import build_model, make_batch
+    from fsdp_compat.testing.zoo import build_model
 
     world_size, steps, device = cfg["world_size"], cfg["steps"], cfg["device"]
     cuda = device.startswith("cuda")
@@ -467,7 +482,10 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     extra["fsdp_group_sets"] = _fsdp_group_sets(model)
     extra["setup_s"] = time.perf_counter() - t0
 
-    batch = make_batch(cfg["model"], seed=cfg["seed"], device=dev)
+    batches = rank_batches(cfg, dev)
+    batch = batches[rank]
+    scale = 1.0 / gradient_reduction_factor(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
+    extra["gradient_reduction_factor"] = 1.0 / scale
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     ref_params = dict(reference.named_parameters())
@@ -480,10 +498,9 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
             torch.cuda.synchronize()
         t = time.perf_counter()
         loss = model(**batch).loss
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         t_fb = time.perf_counter() - t
-        ref_loss = reference(**batch).loss
-        ref_loss.backward()
+        ref_loss = reference_backward(reference, batches)[rank]
         named = list(model.named_parameters())
         with torch.no_grad():
             for name, p in named:
@@ -504,6 +521,9 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
         losses.append(float(loss.detach()))
         ref_losses.append(float(ref_loss.detach()))
     extra["reference_losses"] = ref_losses
+    extra["mixed_batches"] = _mixed_batch_counters(model)
+    guard = _guard_of(model)
+    extra["guard_unshards"] = guard.unshards if guard is not None else None
     extra["worst_grad_param"] = grads.where
     extra["worst_param"] = params.where
     if cfg.get("probe"):
@@ -519,6 +539,64 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
         step_time_s=statistics.median(times) if times else math.nan,
         extra=extra,
     )
+
+
+def _mixed_batch_counters(model: Any) -> dict[str, int]:
+    """This rank's dummy vision-tower calls and count exchanges (:mod:`fsdp_compat.mixed_batches`)."""
+    from fsdp_compat.mixed_batches import mixed_batches_of
+
+    installed = mixed_batches_of(model)
+    return {
+        "installed": len(installed),
+        "dummy_calls": sum(m.dummy_calls for m in installed),
+        "exchanges": sum(m.exchanges for m in installed),
+    }
+
+
+def _guard_of(model: Any) -> Any:
+    from fsdp_compat.guard import guard_of
+
+    return guard_of(model)
+
+
+def rank_batches(cfg: dict[str, Any], device: Any) -> list[dict[str, Any]]:
+    """Every rank's micro-batch (each rank builds all of them, for the reference): seed ``seed + rank`` and
+    ``variants[rank]``, or rank 0's batch everywhere when ``same_batch``."""
+    from fsdp_compat.testing.zoo import is_vlm, make_batch
+
+    world, seed, name = cfg["world_size"], cfg["seed"], cfg["model"]
+    variants = cfg.get("variants") or ["image"] * world
+    out = []
+    for r in range(world):
+        kw = {"variant": variants[r]} if is_vlm(name) else {}
+        out.append(make_batch(name, seed=seed if cfg.get("same_batch") else seed + r, device=device, **kw))
+    return out
+
+
+def reference_backward(reference: Any, batches: list[dict[str, Any]]) -> list[Any]:
+    """One process training on all the ranks' micro-batches with the mean loss: ``(loss_r / W).backward()`` per
+    micro-batch, accumulating into ``.grad``. Returns the per-micro-batch losses (unscaled)."""
+    losses = []
+    for b in batches:
+        loss = reference(**b).loss
+        (loss / len(batches)).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def gradient_reduction_factor(mesh: Any) -> float:
+    """What FSDP2 does to gradients across ranks on this torch and backend: 1.0 = averages (torch >= 2.9, NCCL),
+    the world size = sums (torch 2.8 over gloo). Measured on a one-weight probe, so a test can scale its loss and
+    still compare with the one-process mean; the product never does this."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    probe = torch.nn.Linear(1, 1, bias=False, device=mesh.device_type)
+    with torch.no_grad():
+        probe.weight.fill_(1.0)
+    fully_shard(probe, mesh=mesh)
+    probe(torch.ones(1, 1, device=mesh.device_type)).sum().backward()
+    return float(_full(probe.weight.grad).item())
 
 
 def _fsdp_group_sets(model: Any) -> list[list[str]]:

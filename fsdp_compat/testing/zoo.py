@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ZOO", "ZooModel", "build_model", "make_batch", "zoo_names"]
+__all__ = ["VLM_VARIANTS", "ZOO", "ZooModel", "build_model", "is_vlm", "make_batch", "zoo_names"]
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,37 @@ ZOO: dict[str, ZooModel] = {
             "the relative_attention_bias tables are further embeddings, used through their forward.",
             only_input_embedding=False,
         ),
+        ZooModel(
+            "qwen2-vl",
+            "Qwen2VLForConditionalGeneration, untied: a vision tower of repeated blocks fed pixel_values + "
+            "image_grid_thw (mixed image/text micro-batches).",
+            only_input_embedding=True,
+        ),
+        ZooModel(
+            "qwen2.5-vl",
+            "Qwen2_5_VLForConditionalGeneration, untied: windowed vision blocks, pixel_values + image_grid_thw.",
+            only_input_embedding=True,
+        ),
+        ZooModel(
+            "qwen3-vl",
+            "Qwen3VLForConditionalGeneration, untied: vision blocks with deepstack features injected into the "
+            "first text layers, pixel_values + image_grid_thw.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "llava",
+            "LlavaForConditionalGeneration (CLIP vision tower, Qwen2 text), untied: a vision-language model that "
+            "fsdp-compat has no mixed-batch dummy for (pixel_values only, no grid).",
+            only_input_embedding=False,
+        ),
     )
 }
+
+#: Batch variants of the vision-language models (``make_batch(..., variant=...)``): every rank of a data-parallel
+#: test may get another kind of micro-batch.
+VLM_VARIANTS = ("image", "text", "three-images", "video", "image+video")
+# GLM4V and Qwen3-VL lay videos out as frames of image tokens with timestamps; the zoo builds videos for these two
+_VIDEO_MODELS = ("qwen2-vl", "qwen2.5-vl")
 
 
 def zoo_names() -> list[str]:
@@ -148,7 +177,6 @@ _GLM_TEXT = dict(
     max_position_embeddings=512,
     pad_token_id=0,
 )
-_GLM_GRID = [[1, 4, 6], [1, 6, 4]]
 
 
 def _glm4v(tied: bool) -> nn.Module:
@@ -181,19 +209,47 @@ def _glm4v_moe() -> nn.Module:
     return Glm4vMoeForConditionalGeneration(config)
 
 
-def _glm_batch(model_name: str, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Two right-padded rows: 5 text tokens, one image (start, t*h*w/4 image tokens, end), 4 text tokens."""
+def _vlm_batch(
+    model_name: str, g: torch.Generator, variant: str, *, patch: int, vocab: int
+) -> dict[str, torch.Tensor]:
+    """Right-padded rows of text around images and/or videos (start, t*h*w/4 placeholder tokens, end).
+
+    ``variant``: "image" (two images, one per row), "three-images" (another image count), "video", "image+video"
+    (a row with an image and a row with a video), or "text" (no vision input at all: the rank whose micro-batch
+    has no image).
+    """
+    if variant not in VLM_VARIANTS:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"unknown batch variant {variant!r}; choose one of: {', '.join(VLM_VARIANTS)}")
+    if "video" in variant and model_name not in _VIDEO_MODELS:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"the zoo builds video batches for {', '.join(_VIDEO_MODELS)} only, not {model_name!r}")
     merge = _GLM_VISION["spatial_merge_size"] ** 2
-    patch_dim = _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * _GLM_VISION["patch_size"] ** 2
+    patch_dim = _GLM_VISION["in_channels"] * _GLM_VISION["temporal_patch_size"] * patch**2
+    media: list[tuple[str, list[int]]] = {
+        "image": [("image", [1, 4, 6]), ("image", [1, 6, 4])],
+        "three-images": [("image", [1, 4, 4]), ("image", [1, 4, 6]), ("image", [1, 2, 4])],
+        "video": [("video", [2, 4, 4]), ("video", [2, 4, 2])],
+        "image+video": [("image", [1, 4, 6]), ("video", [2, 4, 4])],
+        "text": [("text", [0, 0, 0]), ("text", [0, 0, 0])],
+    }[variant]
+    token = {"image": (10, 1), "video": (11, 2)}
     rows: list[list[int]] = []
     kinds: list[list[int]] = []
-    for t, h, w in _GLM_GRID:
-        n_img = t * h * w // merge
-        before = torch.randint(16, _GLM_TEXT["vocab_size"], (5,), generator=g).tolist()
-        after = torch.randint(16, _GLM_TEXT["vocab_size"], (4,), generator=g).tolist()
-        ids = [*before, 12, *([10] * n_img), 13, *after]
-        rows.append(ids)
-        kinds.append([0] * 6 + [1] * n_img + [0] * 5)
+    for kind, (t, h, w) in media:
+        before = torch.randint(16, vocab, (5,), generator=g).tolist()
+        after = torch.randint(16, vocab, (4,), generator=g).tolist()
+        if kind == "text":
+            middle = torch.randint(16, vocab, (3,), generator=g).tolist()
+            rows.append([*before, *middle, *after])
+            kinds.append([0] * len(rows[-1]))
+            continue
+        tok, mm_kind = token[kind]
+        n = t * h * w // merge
+        rows.append([*before, 12, *([tok] * n), 13, *after])  # vision start, placeholders, vision end
+        kinds.append([0] * 6 + [mm_kind] * n + [0] * 5)
     length = max(len(r) for r in rows)
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.long)
@@ -203,15 +259,17 @@ def _glm_batch(model_name: str, g: torch.Generator) -> dict[str, torch.Tensor]:
         mask[i, : len(r)] = 1
         mm[i, : len(k)] = torch.tensor(k)
     labels = input_ids.clone()
-    labels[(mask == 0) | (mm == 1)] = -100
-    n_patches = sum(t * h * w for t, h, w in _GLM_GRID)
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": mask,
-        "pixel_values": torch.randn(n_patches, patch_dim, generator=g),
-        "image_grid_thw": torch.tensor(_GLM_GRID, dtype=torch.long),
-        "labels": labels,
-    }
+    labels[(mask == 0) | (mm != 0)] = -100
+    batch = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    for kind, pixels, grids in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        thw = [x for k, x in media if k == kind]
+        if thw:
+            n_patches = sum(t * h * w for t, h, w in thw)
+            batch[pixels] = torch.randn(n_patches, patch_dim, generator=g)
+            batch[grids] = torch.tensor(thw, dtype=torch.long)
     if _accepts_mm_token_type_ids(model_name):
         batch["mm_token_type_ids"] = mm
     return batch
@@ -219,11 +277,85 @@ def _glm_batch(model_name: str, g: torch.Generator) -> dict[str, torch.Tensor]:
 
 def _accepts_mm_token_type_ids(model_name: str) -> bool:
     """transformers 5.x requires ``mm_token_type_ids`` with images; 4.x has no such argument."""
-    if model_name == "glm4v-moe":
-        from transformers import Glm4vMoeModel as cls
-    else:
-        from transformers import Glm4vModel as cls
+    import transformers
+
+    cls = getattr(transformers, _VLM_INNER[model_name])
     return "mm_token_type_ids" in inspect.signature(cls.get_rope_index).parameters
+
+
+#: zoo name -> the inner VLM model class (the one holding ``visual`` and ``language_model``)
+_VLM_INNER = {
+    "glm4v": "Glm4vModel",
+    "glm4v-tied": "Glm4vModel",
+    "glm4v-moe": "Glm4vMoeModel",
+    "qwen2-vl": "Qwen2VLModel",
+    "qwen2.5-vl": "Qwen2_5_VLModel",
+    "qwen3-vl": "Qwen3VLModel",
+}
+
+# ------------------------------------------------------------------------------------------------------------
+# Qwen-VL families: the same text and vision sizes as the tiny GLM4V (patch size 4, merge 2)
+
+_QWEN_VL_TOKENS = dict(image_token_id=10, video_token_id=11, vision_start_token_id=12, vision_end_token_id=13)
+_QWEN_VL_PATCH = dict(in_channels=3, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+
+
+def _qwen_vl(name: str) -> nn.Module:
+    import transformers
+
+    text = dict(_GLM_TEXT, tie_word_embeddings=False, **_rope(10000.0, mrope=[4, 6, 6]))
+    if name == "qwen2-vl":
+        vision: dict[str, Any] = dict(_QWEN_VL_PATCH, depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        config_cls, model_cls = "Qwen2VLConfig", "Qwen2VLForConditionalGeneration"
+    elif name == "qwen2.5-vl":
+        vision = dict(_QWEN_VL_PATCH, depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                      window_size=16, fullatt_block_indexes=[1])  # fmt: skip
+        config_cls, model_cls = "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"
+    else:
+        vision = dict(_QWEN_VL_PATCH, depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])  # fmt: skip
+        text["head_dim"] = 32
+        config_cls, model_cls = "Qwen3VLConfig", "Qwen3VLForConditionalGeneration"
+    config = getattr(transformers, config_cls)(
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **_QWEN_VL_TOKENS
+    )
+    config._attn_implementation = "eager"
+    return getattr(transformers, model_cls)(config)
+
+
+_LLAVA_IMAGE = 16  # pixels per side; CLIP patch 8 -> 4 patch tokens per image ("default" drops the CLS token)
+
+
+def _llava() -> nn.Module:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=_LLAVA_IMAGE, patch_size=8, projection_dim=32)  # fmt: skip
+    text = dict(_QWEN2, model_type="qwen2", **_rope(10000.0))
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=10, image_seq_length=4,
+                         vision_feature_layer=-1, tie_word_embeddings=False)  # fmt: skip
+    config._attn_implementation = "eager"
+    return LlavaForConditionalGeneration(config)
+
+
+def _llava_batch(g: torch.Generator, variant: str) -> dict[str, torch.Tensor]:
+    """Two rows of text around one image each ("image"), or plain text ("text")."""
+    if variant not in ("image", "text"):
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"the llava zoo model takes variant 'image' or 'text', not {variant!r}")
+    image = variant == "image"
+    rows = []
+    for _ in range(2):
+        before = torch.randint(16, 128, (5,), generator=g).tolist()
+        after = torch.randint(16, 128, (4,), generator=g).tolist()
+        rows.append([*before, *([10] * 4 if image else torch.randint(16, 128, (4,), generator=g).tolist()), *after])
+    input_ids = torch.tensor(rows)
+    labels = input_ids.masked_fill(input_ids == 10, -100)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+    if image:
+        batch["pixel_values"] = torch.randn(2, 3, _LLAVA_IMAGE, _LLAVA_IMAGE, generator=g)
+    return batch
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -439,6 +571,10 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "qwen2-fused-lmhead": _qwen2_fused,
     "qwen2-zloss": _qwen2_zloss,
     "t5-shared": _t5_shared,
+    "qwen2-vl": lambda: _qwen_vl("qwen2-vl"),
+    "qwen2.5-vl": lambda: _qwen_vl("qwen2.5-vl"),
+    "qwen3-vl": lambda: _qwen_vl("qwen3-vl"),
+    "llava": lambda: _llava(),
 }
 
 
@@ -474,12 +610,25 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu")
     return model
 
 
-def make_batch(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Valid inputs for ``build_model(name)(**batch)``, including labels so the output has ``.loss``."""
+def is_vlm(name: str) -> bool:
+    """True for the zoo's vision-language models (they take ``make_batch(..., variant=...)``)."""
+    return name in _VLM_INNER or name == "llava"
+
+
+def make_batch(
+    name: str, *, seed: int = 0, device: str | torch.device = "cpu", variant: str = "image"
+) -> dict[str, torch.Tensor]:
+    """Valid inputs for ``build_model(name)(**batch)``, including labels so the output has ``.loss``.
+
+    ``variant`` picks a vision-language model's kind of micro-batch (:data:`VLM_VARIANTS`); other models ignore it.
+    """
     _check_name(name)
     g = torch.Generator().manual_seed(seed + 12345)
-    if name.startswith("glm4v"):
-        batch = _glm_batch(name, g)
+    if name == "llava":
+        batch = _llava_batch(g, variant)
+    elif is_vlm(name):
+        patch = _GLM_VISION["patch_size"]
+        batch = _vlm_batch(name, g, variant, patch=patch, vocab=_GLM_TEXT["vocab_size"])
     elif name == "t5-shared":
         batch = _t5_batch(g)
     elif name not in ZOO:
