@@ -21,7 +21,6 @@ from fsdp_compat.activation import logger
 __all__ = [
     "bottom_up",
     "outdated_fallback",
-    "repeated_block_classes",
     "unmatched",
     "unsafe_targets",
     "untied_embeddings",
@@ -41,23 +40,10 @@ def unmatched(model: Any, names: Iterable[str] | None) -> list[str] | None:
     return None if set(wanted) & present else wanted
 
 
-def repeated_block_classes(model: Any) -> list[str]:
-    """Classes that repeat inside a ``ModuleList`` (the decoder / vision blocks), plus ``_no_split_modules``."""
-    from torch import nn
-
-    counts: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
-    repeated = {name for name, n in counts.items() if n >= 2}
-    declared = getattr(model, "_no_split_modules", None) or ()
-    repeated |= {n for n in declared if isinstance(n, str)}
-    return sorted(repeated)
-
-
 def warn_unmatched(framework: str, model: Any, names: list[str], kept: list[str]) -> None:
     """One warning per process, model class and wrap list: what matched nothing and what is sharded instead."""
+    from fsdp_compat.tree import repeated_block_classes  # imports torch: only when there is something to say
+
     key = (framework, type(model).__name__, tuple(names))
     with _lock:
         if key in _warned:

@@ -162,7 +162,10 @@ def make_expand_fsdp_plan(original: Callable[..., Any], policy: str) -> Callable
 
     @functools.wraps(original)
     def expand_fsdp_plan(model: Any, fsdp_plan: Any, *args: Any, **kwargs: Any) -> Any:
+        from fsdp_compat.runtime import install_runtime
+
         reshard, no_reshard = original(model, fsdp_plan, *args, **kwargs)
+        install_runtime(model)  # before transformers' fully_shard calls: both find the groups at the first forward
         concrete = {name: FREE for name, _ in reshard} | {name: KEEP for name, _ in no_reshard}
         fixed = _fixed(model, concrete, original, policy)
         targets = [*reshard, *no_reshard]

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_compat.cli import POLICY_ORDER  # one home: every policy, auto last
+from fsdp_compat.policies import POLICY_ORDER  # one home: every policy, auto last
 
 __all__ = ["POLICY_ORDER", "fmt_bytes", "fmt_ratio", "format_table", "fsdp2_unsharded_estimate"]
 

@@ -1,5 +1,5 @@
-"""fsdp-compat: safe FSDP2 wrap plans, a run-time guard, and adapters that put them into verl, SkyRL, AReaL and
-transformers' native FSDP2.
+"""fsdp-compat: safe FSDP2 wrap plans, a run-time guard, and adapters that put them into verl, SkyRL, AReaL,
+LLaMA-Factory and transformers' native FSDP2.
 
 The package imports lazily: ``import fsdp_compat`` costs almost nothing and imports no torch (not even ``typing``),
 because the ``.pth`` start-up hook imports :mod:`fsdp_compat._autoload` in every Python process of an environment.

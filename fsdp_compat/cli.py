@@ -7,10 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fsdp_compat.policies import POLICY_NAMES
-
-#: the side-by-side order of ``plan`` and the benchmarks: every policy (registry order), ``auto`` last
-POLICY_ORDER = tuple(sorted(POLICY_NAMES, key=lambda name: name == "auto"))
+from fsdp_compat.policies import POLICY_ORDER
 
 
 def _fmt_bytes(n: float) -> str:
@@ -31,7 +28,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model = build_skeleton(args.model)
     layer_classes = args.layer_classes.split(",") if args.layer_classes else None
     plan = plan_wrap(model, layer_classes, policy=args.policy)
-    print(plan)
+    print(plan.format(all_rows=args.all_rows))
     shown = [e for e in plan.evidence if args.all_evidence or _costs_sharding(e, plan)]
     if shown:
         print("  evidence (static analysis of the code that runs):")
@@ -163,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--layer-classes", default=None, help="comma-separated layer class names (default: "
                       "the model's _no_split_modules)")
     plan.add_argument("--all-evidence", action="store_true", help="also list reads that cost no sharding")
+    plan.add_argument("--all-rows", action="store_true", help="one row per group (default: repeated layers folded)")
     plan.set_defaults(func=_cmd_plan)
 
     smoke = sub.add_parser("smoke", help="GLM4V FSDP2: the legacy crash, then the fix with exact parity")

@@ -34,6 +34,8 @@ class Replacement:
     ``optional``: skip it when the name does not exist (a selector only some releases ship). ``unless``: skip it
     when ``module`` has this attribute (a release that ships a better hook point, replaced by another row).
     ``deferred``: do not import ``module``; replace the name when it is imported (now if it is loaded).
+    A ``name`` of the form ``Class.attr`` replaces an attribute of a class defined in ``module`` (a method):
+    every holder of the class sees it, so ``importers`` do not apply.
     """
 
     module: str
@@ -86,6 +88,18 @@ def _namespace(module: Any) -> dict[str, Any] | None:
     return namespace if isinstance(namespace, dict) else None
 
 
+def _slot(module: Any, name: str) -> tuple[Any, str, Any]:
+    """(holder, attribute, current value) for ``name`` in ``module``: the module itself, or for ``Class.attr`` the
+    class (its own ``__dict__``, not inherited); the value is ``_MISSING`` when absent, the holder None if unusable."""
+    owner, dot, attr = name.rpartition(".")
+    holder = (_namespace(module) or {}).get(owner) if dot else module
+    if dot and not isinstance(holder, type):
+        return None, attr, _MISSING
+    if holder is None or (not dot and _namespace(holder) is None):
+        return None, attr, _MISSING
+    return holder, attr, vars(holder).get(attr, _MISSING)
+
+
 @dataclass
 class _Bound:
     """One replacement in effect: the exact objects, and every module namespace that now holds ``new``."""
@@ -100,12 +114,11 @@ class _Bound:
 
     def bind(self, module: ModuleType) -> None:
         """Rebind ``name`` in an importer that holds the original; record one that already holds ``new``."""
-        namespace = _namespace(module)
-        if namespace is None or self.holds(module):
+        holder, attr, value = _slot(module, self.replacement.name)
+        if holder is None or self.holds(module):
             return
-        value = namespace.get(self.replacement.name, _MISSING)
         if value is self.original:
-            setattr(module, self.replacement.name, self.new)
+            setattr(holder, attr, self.new)
             self.bound.append(module)
         elif value is self.new:
             self.bound.append(module)
@@ -193,17 +206,16 @@ class Applied:
 
 
 def _replace(rep: Replacement, module: ModuleType, policy: str) -> _Bound:
-    namespace = _namespace(module)
-    if namespace is None:
+    if _namespace(module) is None:
         raise FsdpCompatError(f"{rep.module} is not an importable module; cannot replace {rep.target}.")
-    original = namespace.get(rep.name, _MISSING)
+    holder, attr, original = _slot(module, rep.name)
     if original is _MISSING:
         raise FsdpCompatError(f"{rep.target} does not exist in this release; the adapter does not match it.")
     new = rep.make(original, policy)
     if new is None:
         raise FsdpCompatError(f"the replacement factory for {rep.target} returned None.")
     rec = _Bound(rep, original, new)
-    setattr(module, rep.name, new)
+    setattr(holder, attr, new)
     rec.bound.append(module)
     for importer in rep.importers:
         loaded = sys.modules.get(importer)
@@ -222,11 +234,11 @@ def _restore(rec: _Bound) -> list[str]:
             holders.append(module)
     left = []
     for module in holders:
-        namespace = _namespace(module)
-        if namespace is None:
+        holder, attr, value = _slot(module, name)
+        if holder is None:
             continue
-        if namespace.get(name, _MISSING) is rec.new:
-            setattr(module, name, rec.original)
+        if value is rec.new:
+            setattr(holder, attr, rec.original)
         else:
             left.append(f"{getattr(module, '__name__', '?')}.{name}")
     rec.bound.clear()
@@ -237,7 +249,7 @@ def _skipped(rep: Replacement, module: ModuleType) -> bool:
     namespace = _namespace(module) or {}
     if rep.unless is not None and callable(namespace.get(rep.unless)):
         return True
-    return rep.optional and rep.name not in namespace
+    return rep.optional and _slot(module, rep.name)[2] is _MISSING
 
 
 def _resolve(source: str) -> Any:

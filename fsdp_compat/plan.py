@@ -12,6 +12,7 @@ group. Only :mod:`fsdp_compat.apply` touches torch.distributed.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from torch import nn
 from fsdp_compat.analysis import RawRead, find_raw_reads
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.policies import Auto, InputOnly, LayersOnly, Legacy, Policy, resolve_policy
-from fsdp_compat.tree import ModuleTree
+from fsdp_compat.tree import ModuleTree, repeated_block_classes
 
 LayerClasses = Iterable[str | type] | str | type | None
 Key = tuple[str, ...]  # the member paths of one group
@@ -106,19 +107,27 @@ class WrapPlan:
         return {"resident": resident, "peak_forward": resident + unsharded}
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, *, all_rows: bool = False) -> str:
+        """The plan as a table; repeated layers fold into one row (``layers.{0..39}  x40``) unless ``all_rows``."""
         lines = [
             f"WrapPlan for {self.model_class} (policy {self.policy}; layer classes: "
             f"{', '.join(self.layer_classes) or '-'})",
-            f"  {'#':>3}  {'group (bottom-up)':<54} {'params':>10}  {'kind':<16} reason",
+            f"  {'#':>5}  {'group (bottom-up)':<54} {'params':>13}  {'kind':<16} reason",
         ]
-        for index, group in enumerate(self.groups, 1):
+        index = 1
+        for name, count, group in _rows(self.groups, fold=not all_rows):
             extra = "".join(f" [{k}={v}]" for k, v in group.overrides.items())
+            number = f"{index}" if count == 1 else f"{index}-{index + count - 1}"
+            times = f"  x{count}" if count > 1 else ""
             lines.append(
-                f"  {index:>3}  {_clip(group.name, 54):<54} {group.num_params:>10,}  {group.kind:<16} "
+                f"  {number:>5}  {_clip(name + times, 54):<54} {group.num_params:>13,}  {group.kind:<16} "
                 f"{group.reason}{extra}"
             )
+            index += count
         lines.append(
-            f"  {'':>3}  {'<root> (fully_shard(model), applied last)':<54} {self.root_params:>10,}  "
+            f"  {'':>5}  {'<root> (fully_shard(model), applied last)':<54} {self.root_params:>13,}  "
             f"{'root':<16} unsharded for the whole forward"
         )
         lines.append(f"  groups: {len(self.groups)} + root; parameters: {self.total_params:,}")
@@ -130,6 +139,43 @@ class WrapPlan:
         for warning in self.warnings:
             lines.append(f"  warning: {warning}")
         return "\n".join(lines)
+
+
+_INDEXED = re.compile(r"^(?P<prefix>.*\.)(?P<index>\d+)$")  # a path ending in a ModuleList index
+
+
+def _rows(groups: tuple[Group, ...], *, fold: bool) -> list[tuple[str, int, Group]]:
+    """(name, how many groups, the first group): consecutive single-module groups that differ only in their
+    ModuleList index (same kind, reason, overrides and size) become one row ``prefix.{first..last}``."""
+    rows: list[tuple[str, int, Group]] = []
+    run: list[tuple[int, Group]] = []
+    prefix = None
+
+    def flush() -> None:
+        if not run:
+            return
+        if len(run) == 1:
+            rows.append((run[0][1].name, 1, run[0][1]))
+        else:
+            rows.append((f"{prefix}{{{run[0][0]}..{run[-1][0]}}}", len(run), run[0][1]))
+        run.clear()
+
+    for group in groups:
+        match = _INDEXED.match(group.name) if fold and len(group.modules) == 1 else None
+        if match is None:
+            flush()
+            rows.append((group.name, 1, group))
+            continue
+        i, first = int(match["index"]), run[0][1] if run else None
+        same = first is not None and match["prefix"] == prefix and run[-1][0] + 1 == i and (
+            group.kind, group.reason, group.overrides, group.num_params
+        ) == (first.kind, first.reason, first.overrides, first.num_params)  # fmt: skip
+        if not same:
+            flush()
+            prefix = match["prefix"]
+        run.append((i, group))
+    flush()
+    return rows
 
 
 def _clip(text: str, width: int) -> str:
@@ -197,20 +243,29 @@ def _getter(model: nn.Module, name: str) -> nn.Module | None:
 # Candidate selection
 
 
-def _layer_candidates(tree: ModuleTree, names: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+def _layer_candidates(tree: ModuleTree, names: tuple[str, ...], found: bool = False) -> dict[str, tuple[str, str]]:
+    what = "repeated block class {} (the model declares no _no_split_modules)" if found else "layer class {}"
     return {
-        path: ("layer", f"layer class {type(m).__name__}")
+        path: ("layer", what.format(type(m).__name__))
         for path, m in tree.modules.items()
         if path and type(m).__name__ in names
     }
 
 
+def _found_layer_classes(model: nn.Module, layer_classes: LayerClasses, policy: Policy) -> tuple[str, ...]:
+    """Under ``auto``, for a model that declares no layer classes when none are given: its repeated block classes
+    (explicit ``layer_classes`` and ``_no_split_modules`` always win; other policies keep raising)."""
+    if layer_classes is not None or getattr(model, "_no_split_modules", None) or not isinstance(policy, Auto):
+        return ()
+    return tuple(repeated_block_classes(model))
+
+
 def _select(
-    tree: ModuleTree, names: tuple[str, ...], policy: Policy, warnings: list[str]
+    tree: ModuleTree, names: tuple[str, ...], policy: Policy, warnings: list[str], found: bool = False
 ) -> dict[str, tuple[str, str]]:
     """Candidates (path -> (kind, reason)) under ``policy``; notes what it could not do in ``warnings``."""
     model = tree.model
-    chosen = _layer_candidates(tree, names)
+    chosen = _layer_candidates(tree, names, found)
     untied = not _tied(model)
     if isinstance(policy, Legacy):
         if untied:
@@ -501,14 +556,19 @@ def _account(
 
 
 def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: str | Policy = "auto") -> WrapPlan:
-    """Decide which modules of ``model`` get their own FSDP2 group, bottom-up, each with a reason."""
+    """Decide which modules of ``model`` get their own FSDP2 group, bottom-up, each with a reason.
+
+    ``layer_classes`` None means ``model._no_split_modules``; when that is empty too, ``auto`` plans with the
+    model's repeated block classes (the groups' reasons say so) and the other policies raise.
+    """
     _check_model(model)
     chosen_policy = resolve_policy(policy)
-    names = resolve_layer_classes(model, layer_classes)
+    found = _found_layer_classes(model, layer_classes, chosen_policy)
+    names = resolve_layer_classes(model, found or layer_classes)
     tree = ModuleTree.build(model)
     evidence: tuple[RawRead, ...] = ()
     warnings: list[str] = []
-    candidates = _select(tree, names, chosen_policy, warnings)
+    candidates = _select(tree, names, chosen_policy, warnings, bool(found))
     if isinstance(chosen_policy, Auto):
         analysis = find_raw_reads(model, tree)
         evidence = tuple(e for e in analysis.events if e.kind != "call" or _skips_levels(tree, e))

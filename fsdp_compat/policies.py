@@ -87,6 +87,8 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (Auto, Legacy, LegacySkyrl, InputOnly, LayersOnly)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+#: every policy, ``auto`` last: the order of the CLI's and the benchmarks' side-by-side tables
+POLICY_ORDER: tuple[str, ...] = tuple(sorted(POLICY_NAMES, key=lambda name: name == "auto"))
 
 
 def resolve_policy(policy: str | Policy) -> Policy:

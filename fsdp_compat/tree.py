@@ -9,8 +9,23 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
+
+
+def repeated_block_classes(model: Any) -> list[str]:
+    """Classes that repeat inside a ``ModuleList`` (the decoder / vision blocks), plus ``_no_split_modules``: the
+    layer classes a model that declares none is planned with, and what an outdated wrap-list warning suggests."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    repeated = {name for name, n in counts.items() if n >= 2}
+    declared = getattr(model, "_no_split_modules", None) or ()
+    repeated |= {n for n in declared if isinstance(n, str)}
+    return sorted(repeated)
 
 
 @dataclass

@@ -40,7 +40,7 @@ def test_plan_from_a_config_folder_on_meta(tmp_path: Path, capsys: pytest.Captur
     assert main(["plan", str(tmp_path), "--policy", "legacy", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "WrapPlan for Qwen2ForCausalLM (policy legacy" in out
-    assert "model.layers.1" in out and "lm_head" in out
+    assert "model.layers.{0..1}  x2" in out and "lm_head" in out
 
 
 def test_bad_input_exits_2_with_the_fix(capsys: pytest.CaptureFixture) -> None:
@@ -119,3 +119,17 @@ def test_changelog_has_unreleased_and_the_current_version() -> None:
     headings = re.findall(r"^## \[([^\]]+)\]", text, re.M)
     assert headings[:2] == ["Unreleased", __version__], headings
     assert "keepachangelog.com" in text
+
+
+def test_plan_folds_repeated_layers_unless_asked_for_every_row(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "full:glm4v"]) == 0
+    folded = capsys.readouterr().out.split("\n\n")[0]
+    assert "model.language_model.layers.{0..39}  x40" in folded
+    assert "model.visual.blocks.{0..23}  x24" in folded
+    assert "groups: 66 + root" in folded  # the count is of groups, not rows
+    numbered = [line for line in folded.splitlines()[2:] if line.strip()[:1].isdigit()]
+    assert len(numbered) == 4  # vision blocks, embed_tokens, text layers, lm_head
+    assert main(["plan", "full:glm4v", "--all-rows"]) == 0
+    every = capsys.readouterr().out.split("\n\n")[0]
+    assert len([line for line in every.splitlines()[2:] if line.strip()[:1].isdigit()]) == 66
+    assert "x40" not in every and "model.language_model.layers.39 " in every

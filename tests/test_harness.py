@@ -178,9 +178,13 @@ def test_smoke_rows_and_table() -> None:
         expect_text=GRID_SAMPLER_CRASH,
     )
     drift = SmokeRow("core", "auto", "ok", "ok", "parity", 1e-3, 0.0, 6.0)
+    ulp = SmokeRow("core", "auto", "ok", "ok", "parity", 0.0, 1e-7, 6.0)  # exact means 0.0, not "close"
+    ulp_allowed = SmokeRow("core", "auto", "ok", "ok", "parity", 0.0, 1e-7, 6.0, tolerance=1e-6)
+    nan = SmokeRow("core", "auto", "ok", "ok", "parity", float("nan"), 0.0, 6.0, tolerance=1e-6)
     unexpected_ok = SmokeRow("core", "legacy", "crash", "ok", "parity", 0.0, 0.0, 6.0)
-    assert crash.passed and parity.passed
+    assert crash.passed and parity.passed and ulp_allowed.passed
     assert not wrong_crash.passed and not drift.passed and not unexpected_ok.passed
+    assert not ulp.passed and not nan.passed
     table = format_smoke_table([crash, parity, drift])
     lines = table.splitlines()
     assert lines[0].split()[:6] == ["framework", "case", "expected", "outcome", "result", "seconds"]
@@ -196,5 +200,11 @@ def test_core_smoke() -> None:
 
     rows = run()
     print("\n" + format_smoke_table(rows))
-    assert [(r.case, r.outcome) for r in rows] == [("legacy", "crash"), ("auto", "ok")]
+    assert [(r.case, r.outcome) for r in rows] == [
+        ("legacy", "crash"),
+        ("auto", "ok"),
+        ("auto, rank 1 without images, alignment off", "crash"),
+        ("auto, rank 1 without images", "ok"),
+    ]
     assert all(r.passed for r in rows)
+    assert [r.max_rel_grad_diff for r in rows if r.outcome == "ok"] == [0.0, 0.0]
