@@ -26,7 +26,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from fsdp_compat.testing.harness import RankResult, _Diff, _fsdp_group_paths, _full
+from fsdp_compat.testing.harness import (
+    RankResult,
+    _Diff,
+    _fsdp_group_paths,
+    _full,
+    _mixed_batch_counters,
+    gradient_reduction_factor,
+)
 from fsdp_compat.testing.skyrl_smoke import _PACKAGES, installed_skyrl, probe
 
 #: Whether anything imported fsdp_compat's SkyRL adapter before this module (and with it SkyRL) loaded.
@@ -161,15 +168,20 @@ def _optimizer(optim_config: Any, params: Any) -> tuple[Any, Any]:
     return optimizer, get_scheduler(optim_config.scheduler, optimizer, num_warmup_steps=optim_config.num_warmup_steps)
 
 
-def _batch(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The zoo batch as a SkyRL experience: sequences, mask, every token an action, images as TensorList."""
+def _batch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s zoo micro-batch as a SkyRL experience: seed ``seed + rank`` and ``variants[rank]`` (a
+    vision-language model's kind of batch: "image", "text", ...); sequences, mask, every token an action, images as
+    TensorList (absent for a text-only batch, as SkyRL's experiences carry them)."""
     import torch
 
-    from fsdp_compat.testing.zoo import make_batch
+    from fsdp_compat.testing.zoo import is_vlm, make_batch
 
-    batch = make_batch(cfg["model"], seed=cfg["seed"])
+    variants = cfg.get("variants") or ["image"] * cfg["world_size"]
+    kind = {"variant": variants[rank]} if is_vlm(cfg["model"]) else {}
+    seed = cfg["seed"] + rank
+    batch = make_batch(cfg["model"], seed=seed, **kind)
     mask = batch["attention_mask"]
-    g = torch.Generator().manual_seed(cfg["seed"] + 1)
+    g = torch.Generator().manual_seed(seed + 1000)
     out = {
         "sequences": batch["input_ids"],
         "num_actions": mask.shape[1] - 1,
@@ -212,8 +224,10 @@ def _ppo_loss(distribution: str, wrapped: Any, experience: dict[str, Any], algor
 
 
 def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
-    """Rank routine for ``harness.run_ranks``: build, shard and train as SkyRL does; parity against a local
-    unsharded ``HFModelWrapper`` of the same saved model, same optimizer and scheduler."""
+    """Rank routine for ``harness.run_ranks``: build, shard and train as SkyRL does, each rank on its own micro-batch
+    (``_batch``); parity against a local unsharded ``HFModelWrapper`` of the same saved model (same optimizer and
+    scheduler) that trains on all the ranks' micro-batches with the mean loss (one backward of ``loss_r / W`` per
+    micro-batch: with 2 ranks the sums FSDP2's reduce-scatter makes, so the figures are exactly 0.0)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -247,9 +261,14 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
     optimizer, scheduler = _optimizer(optim_config, wrapped.model.parameters())
     ref_optimizer, ref_scheduler = _optimizer(optim_config, reference.model.parameters())
 
-    experience = _batch(cfg)
+    # Every rank builds every rank's experience: its own for the sharded model, all of them for the reference.
+    experiences = [_batch(cfg, r) for r in range(cfg["world_size"])]
     with torch.no_grad():  # the rollout policy's log-probs: the initial weights (PPO's ratio is 1 at step 1)
-        experience["action_log_probs"] = _action_log_probs(reference, experience)
+        for experience in experiences:
+            experience["action_log_probs"] = _action_log_probs(reference, experience)
+    experience = experiences[rank]
+    scale = 1.0 / gradient_reduction_factor(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
+    extra["gradient_reduction_factor"] = 1.0 / scale
     ref_params = dict(reference.model.named_parameters())
     initial = {name: p.detach().clone() for name, p in ref_params.items()}
     grads, params = _Diff(), _Diff()
@@ -259,9 +278,13 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
         model.train()
     for _ in range(cfg["steps"]):
         loss = _ppo_loss(distribution, wrapped, experience, algorithm)
-        fsdp_strategy.backward(loss, wrapped, optimizer)
-        ref_loss = _ppo_loss(distribution, reference, experience, algorithm)
-        fsdp_strategy.backward(ref_loss, reference, ref_optimizer)
+        fsdp_strategy.backward(loss * scale if scale != 1.0 else loss, wrapped, optimizer)
+        # one process on all the ranks' micro-batches with the mean loss: one backward of loss_r / W per batch
+        for r, other in enumerate(experiences):
+            ref_loss = _ppo_loss(distribution, reference, other, algorithm)
+            fsdp_strategy.backward(ref_loss / len(experiences), reference, ref_optimizer)
+            if r == rank:
+                ref_losses.append(float(ref_loss.detach()))
         named = list(wrapped.model.named_parameters())
         with torch.no_grad():
             for name, p in named:
@@ -272,8 +295,9 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
             for name, p in named:
                 params.add(name, _full(p), ref_params[name])
         losses.append(float(loss.detach()))
-        ref_losses.append(float(ref_loss.detach()))
     extra["reference_losses"] = ref_losses
+    extra["mixed_batches"] = _mixed_batch_counters(wrapped.model)
+    extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
     extra["max_param_update"] = max(float((p - initial[n]).abs().max()) for n, p in ref_params.items())
     extra["probe"] = probe()
     return RankResult(
@@ -352,7 +376,7 @@ def real_strategy(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Rank
     if not cuda:
         return None
     extra["fsdp_groups"] = _fsdp_group_paths(wrapped.model)
-    experience = {k: v.cuda() if hasattr(v, "cuda") else v for k, v in _batch(cfg).items()}
+    experience = {k: v.cuda() if hasattr(v, "cuda") else v for k, v in _batch(cfg, rank).items()}
     for key in ("pixel_values", "image_grid_thw"):
         if key in experience:
             experience[key].tensors = [t.cuda() for t in experience[key].tensors]

@@ -18,6 +18,11 @@ moves the norm to ``torch.cuda.current_device()``). Only the CUDA lines are repl
 shape, and ``fsdp2_load_full_state_dict`` as torch's ``set_model_state_dict`` with SkyRL's options plus the
 non-persistent buffer broadcast on CPU.
 
+Data-parallel: each rank trains on its own micro-batch and the reference is one process training on all the ranks'
+micro-batches with the mean loss (gradients and post-AdamW parameters asserted ``== 0.0``). Where the release loads
+a VLM, a mixed case (rank 0 images, rank 1 text only) shows gloo's collective mismatch with fsdp-compat's mixed-batch
+alignment off, then the same exact parity with it on.
+
 Which model: GLM4V where the release's policy builder can load it (skyrl >= 0.2: ``AutoModelForImageTextToText``);
 elsewhere ``AutoModelForCausalLM`` rejects ``Glm4vConfig`` (asserted), so those releases train the zoo's Qwen2,
 whose unpatched crash there is the set-indexing ``TypeError`` of SkyRL's own ``apply_fsdp2``.
@@ -67,6 +72,10 @@ RELEASE = f"{DISTRIBUTION} {VERSION}"
 MODEL = "glm4v" if loads_glm4v(DISTRIBUTION, VERSION) else "qwen2"
 UNPATCHED_CRASH = GRID_SAMPLER_CRASH if MODEL == "glm4v" else SET_INDEX_CRASH
 NO_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
+MISMATCH = "Received data size doesn't match expected size"
+#: VLMs this release's HFModelWrapper loads (AutoModelForImageTextToText, skyrl >= 0.2) for the mixed-batch cases:
+#: GLM4V and a Qwen2.5-VL (its forward passes pixel_values / image_grid_thw only when the micro-batch has them).
+MIXED_MODELS = ("glm4v", "qwen2.5-vl") if MODEL == "glm4v" else ()
 STEPS = 2
 #: Every rank: .pth patching off or on, and skyrl-train 0.3.1's missing re-export repaired test-side so that
 #: its fsdp_strategy imports without the adapter (``tests/_skyrl_ranks.py``).
@@ -92,8 +101,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         pytest.fail("fsdp-compat is not installed as a wheel with its .pth (pip install .)", pytrace=False)
     root = tmp_path_factory.mktemp("skyrl_engine_models")
     paths = {}
-    for name in ("glm4v", "qwen2"):
-        build_model(name).save_pretrained(root / name)
+    for name in ("glm4v", "qwen2", *MIXED_MODELS):
+        if not (root / name).exists():
+            build_model(name).save_pretrained(root / name)
         paths[name] = str(root / name)
     return paths
 
@@ -105,9 +115,9 @@ def _rank_path() -> str:
     return os.pathsep.join([RANK_PATH, *inherited])
 
 
-def _run(body: str, cfg: dict[str, Any], *, world_size: int = 2, **env: str) -> RunResult:
+def _run(body: str, cfg: dict[str, Any], *, world_size: int = 2, timeout_s: float = 240, **env: str) -> RunResult:
     full_env = {**BASE_ENV, "PYTHONPATH": _rank_path(), **env}
-    result = run_ranks(f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=240, env=full_env)
+    result = run_ranks(f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=timeout_s, env=full_env)
     outcome = "ok" if result.ok else result.exception
     print(f"{RELEASE} {body} {cfg.get('model', '')} {env or ''}: {outcome} ({result.seconds:.1f}s)")
     return result
@@ -161,8 +171,10 @@ def test_fsdp_init_model_unpatched_crashes(saved: dict[str, str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_init_model_trains_with_exact_parity(saved: dict[str, str]) -> None:
-    """Patched by the .pth hook: gradients and parameters after each AdamW step equal an unsharded
-    single-process HFModelWrapper of the same checkpoint (0.0), both ranks agree, the loss moves."""
+    """Patched by the .pth hook, each rank its own micro-batch: gradients after each backward and parameters after
+    each AdamW step equal an unsharded single-process HFModelWrapper of the same checkpoint trained on both ranks'
+    micro-batches with the mean loss, asserted ``== 0.0``; each rank's loss is the reference's loss of its own
+    micro-batch, every step, and the loss moves."""
     result = _run("init_and_train", _train_cfg(saved))
     result.raise_for_error()
     assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
@@ -170,7 +182,9 @@ def test_fsdp_init_model_trains_with_exact_parity(saved: dict[str, str]) -> None
         result.max_abs_param_diff,
     )
     losses = [rank.losses for rank in result.ranks]
-    assert losses[0] == losses[1] == result.ranks[0].extra["reference_losses"], losses
+    for rank in result.ranks:
+        assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra["reference_losses"])
+    assert losses[0] != losses[1], losses  # different data on every rank
     assert len(losses[0]) == STEPS and losses[0][0] != losses[0][-1], losses
     assert [rank.extra["meta_init"] for rank in result.ranks] == [False, True]  # SkyRL's meta init on rank 1
     assert result.ranks[0].extra["fsdp_groups"] == result.ranks[1].extra["fsdp_groups"]  # same plan on meta
@@ -182,6 +196,40 @@ def test_fsdp_init_model_trains_with_exact_parity(saved: dict[str, str]) -> None
         assert "" in extra["fsdp_groups"], extra
         assert "model.visual.embeddings.position_embedding" not in extra["fsdp_groups"], extra
     print(f"{RELEASE} {MODEL} losses {losses[0]} Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+
+
+# --------------------------------------------------------------- mixed micro-batches: images on one rank only
+
+if MIXED_MODELS:
+
+    @pytest.mark.slow
+    @pytest.mark.timeout(300)
+    @pytest.mark.parametrize("model", MIXED_MODELS)
+    def test_fsdp_init_model_rank_without_images_crashes_then_trains_exactly(saved: dict[str, str], model: str) -> None:
+        """Rank 0 an image micro-batch, rank 1 text only, through HFModelWrapper's own forward (it passes no vision
+        input for a text batch, so rank 1 never calls the tower). With fsdp-compat's plan but its mixed-batch
+        alignment off (``FSDP_COMPAT_MIXED_BATCHES=off``) gloo aborts; with it (installed by the SkyRL adapter's
+        ``apply_fsdp2``) rank 1 runs one zero dummy tower call per forward and both ranks equal one process trained
+        on both micro-batches with the mean loss: gradients and post-AdamW parameters asserted ``== 0.0``."""
+        cfg = {"path": saved[model], "model": model, "seed": 0, "steps": STEPS, "variants": ["image", "text"]}
+        off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
+        assert not off.ok, "expected the collective mismatch, but it ran"
+        text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+        assert MISMATCH in text, text[-3000:]
+        result = _run("init_and_train", cfg)
+        result.raise_for_error()
+        assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
+            result.max_abs_grad_diff,
+            result.ranks[0].extra.get("worst_grad_param"),
+            result.max_abs_param_diff,
+        )
+        for rank in result.ranks:
+            assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra)
+            assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
+        # rank 0 never needed a dummy; rank 1 ran one per forward; every forward exchanged the tower-call counts
+        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
+        assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
+        print(f"{RELEASE} {model} image|text: off -> {MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
 
 
 # ---------------------------------------------------------------------------------- the real FSDPStrategy

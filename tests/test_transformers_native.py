@@ -3,8 +3,13 @@
 Each distributed case first reproduces the real crash with fsdp-compat switched off (``FSDP_COMPAT=off``: the
 ``.pth`` hook stays out), then trains the same checkpoint with fsdp-compat installed (the hook patches
 ``transformers.distributed.fsdp`` the moment ``from_pretrained`` imports it) at exact parity with one process: fp32,
-the same batch on both gloo ranks, 2 AdamW steps. Checkpoints are tiny real models written by ``save_pretrained``.
-Runs in the ``hf524`` tox env (``FSDP_COMPAT_REQUIRE=transformers``: a missing piece fails, never skips).
+2 gloo ranks, each on its own micro-batch, 2 AdamW steps, against one process training on both ranks' micro-batches
+with the mean loss; gradients after each backward and parameters after each AdamW step are asserted ``== 0.0``, and
+each rank's loss equals the reference's loss of its own micro-batch. The mixed case (rank 0 images, rank 1 text only,
+vision blocks sharded by the user's plan) shows gloo's collective mismatch with fsdp-compat's mixed-batch alignment
+off (``FSDP_COMPAT_MIXED_BATCHES=off``), then the same exact parity with it on. Checkpoints are tiny real models
+written by ``save_pretrained``. Runs in the ``hf524`` tox env (``FSDP_COMPAT_REQUIRE=transformers``: a missing piece
+fails, never skips).
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ from fsdp_compat.adapters import transformers as adapter  # noqa: E402
 
 from fsdp_compat.errors import FsdpCompatError  # noqa: E402
 from fsdp_compat.plan import plan_wrap  # noqa: E402
-from fsdp_compat.testing.harness import PARITY_TOL  # noqa: E402
 from fsdp_compat.testing.transformers_smoke import (  # noqa: E402
     GLM4V_USER_PLAN,
     build_tiny,
+    describe,
     run_native,
     save_tiny,
 )
@@ -41,7 +46,11 @@ from fsdp_compat.testing.zoo import build_model  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 OFF = {"FSDP_COMPAT": "off"}
-ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None}
+ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None}
+MIXED_OFF = {**ON, "FSDP_COMPAT_MIXED_BATCHES": "off"}
+MISMATCH = "Received data size doesn't match expected size"
+#: A user plan that shards GLM4V's vision blocks on their own (a large tower's usual choice).
+MIXED_PLAN = {"model.visual.blocks.*": "free_full_weight"}
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +66,13 @@ def resolved_plan(model, override=None) -> dict[str, str]:
 
 
 def assert_exact(run) -> None:
+    """Difference 0.0 (not a tolerance): gradients and post-AdamW parameters, and each rank's own-batch loss."""
     run.raise_for_error()
-    assert run.max_rel_grad_diff <= PARITY_TOL, run.ranks[0].extra
-    assert run.max_rel_param_diff <= PARITY_TOL, run.ranks[0].extra
+    assert run.max_abs_grad_diff == 0.0, (run.max_abs_grad_diff, run.ranks[0].extra.get("worst_param"))
+    assert run.max_abs_param_diff == 0.0, (run.max_abs_param_diff, run.ranks[0].extra.get("worst_param"))
+    for rank in run.ranks:
+        assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra["reference_losses"])
+    assert run.ranks[0].losses != run.ranks[1].losses  # different data on every rank
 
 
 def fsdp_compat_lines(run) -> list[str]:
@@ -99,6 +112,25 @@ def test_glm4v_user_plan_exact_with_fsdp_compat(checkpoints):
     assert ["model.language_model.embed_tokens"] in groups  # the safe rest of the plan is kept
     (line,) = fsdp_compat_lines(run)
     assert "model.visual.embeddings.position_embedding: no group of its own" in line
+
+
+def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
+    """Rank 0 an image micro-batch, rank 1 text only; the user's plan gives the vision blocks groups of their own
+    (transformers' built-in GLM4V plan leaves them in the root, where no mismatch can arise). transformers' forward
+    calls the tower only with pixel_values, so with the alignment off rank 1's text-layer all-gathers meet rank 0's
+    vision-block ones (gloo aborts); with fsdp-compat (installed by the adapter after transformers' plan) rank 1 runs
+    one zero dummy tower call per forward and both ranks equal one process on both micro-batches (0.0)."""
+    variants = ["image", "text"]
+    glm4v = checkpoints["glm4v"]
+    off = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=MIXED_OFF, variants=variants, timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert MISMATCH in text, text[-3000:]
+    run = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=ON, variants=variants)
+    assert_exact(run)
+    assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
+    assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
 
 
 def test_exported_plan_trains_exact_through_transformers_alone(checkpoints):

@@ -43,7 +43,10 @@ class Phase:
 
     ``load`` names a checkpoint tag written earlier (``<phase tag>_s<step>``); training resumes at that step.
     ``save_at`` lists the (1-based) steps after which a DCP checkpoint and the full state dicts are written.
-    ``reference`` also trains an unsharded deep copy, for exact parity of the loss trajectory.
+    Each rank trains on its own micro-batch (the harness's :func:`~fsdp_compat.testing.harness.rank_batches`: seed
+    ``rank``); ``reference`` also trains an unsharded deep copy on all the ranks' micro-batches with the mean loss
+    (:func:`~fsdp_compat.testing.harness.reference_backward`), for exact parity of the loss trajectory and of the
+    parameters after every step (2 ranks: difference 0.0).
     ``rewrap`` tries ``apply_fsdp2`` a second time at the end (it must refuse and change nothing).
     """
 
@@ -224,8 +227,15 @@ def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dic
 
     from fsdp_compat.apply import apply_fsdp2
     from fsdp_compat.errors import FsdpCompatError
-    from fsdp_compat.testing.harness import _fsdp_group_paths
-    from fsdp_compat.testing.zoo import build_model, make_batch
+    from fsdp_compat.testing.harness import (
+        _Diff,
+        _fsdp_group_paths,
+        _full,
+        gradient_reduction_factor,
+        rank_batches,
+        reference_backward,
+    )
+    from fsdp_compat.testing.zoo import build_model
 
     model = build_model(name, seed=phase.seed, device=dev)
     out["plain_keys"] = list(model.state_dict())
@@ -256,21 +266,26 @@ def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dic
         start = int(meta["step"])
         out["loaded_step"] = start
 
-    batch = make_batch(name, seed=0, device=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = rank_batches({"model": name, "seed": 0, "world_size": world}, dev)  # each rank its own micro-batch
+    scale = 1.0 / gradient_reduction_factor(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
     losses: dict[int, float] = {}
     ref_losses: dict[int, float] = {}
+    worst = _Diff()
     for step in range(start + 1, phase.steps + 1):
-        loss = model(**batch).loss
-        loss.backward()
+        loss = model(**batches[rank]).loss
+        (loss * scale if scale != 1.0 else loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses[step] = float(loss.detach())
         if reference is not None and ref_opt is not None:
-            ref_loss = reference(**batch).loss
-            ref_loss.backward()
+            ref_losses[step] = float(reference_backward(reference, batches)[rank])
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
-            ref_losses[step] = float(ref_loss.detach())
+            ref_params = dict(reference.named_parameters())
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    worst.add(pname, _full(p), ref_params[pname])
         if step in phase.save_at:
             tag = f"{phase.tag}_s{step}"
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -281,6 +296,8 @@ def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dic
             dist.barrier()
     out["losses"] = {str(k): v for k, v in losses.items()}
     out["reference_losses"] = {str(k): v for k, v in ref_losses.items()}
+    if reference is not None:
+        out["max_abs_param_diff"], out["worst_param"] = worst.abs, worst.where
     if opt.state:
         out["optim_keys"] = sorted(get_optimizer_state_dict(model, opt)["state"])
 

@@ -4,8 +4,11 @@ The user's real path in transformers >= 5.2x: a checkpoint directory, ``Distribu
 fsdp_plan=...])``, and transformers applies its own FSDP2 plan while loading. :func:`run_native` saves nothing
 itself; :func:`save_tiny` writes a tiny real model with ``save_pretrained``. Each rank is a fresh interpreter (so the
 ``.pth`` hook, or ``FSDP_COMPAT=off``, behaves as in a real launch), loads the checkpoint twice (sharded by
-transformers, and unsharded as the single-process reference), trains both for ``steps`` AdamW steps on the same
-batch and reports the largest gradient and parameter differences. Process handling is the harness's
+transformers, and unsharded as the single-process reference) and trains both for ``steps`` AdamW steps,
+data-parallel: each rank on its own micro-batch (seed ``seed + rank``, ``variants[rank]`` for a vision-language
+model, e.g. ``["image", "text"]``), the reference on all the ranks' micro-batches with the mean loss
+(:func:`~fsdp_compat.testing.harness.reference_backward`). It reports the largest gradient and parameter
+differences; with 2 ranks they are exactly 0.0 where the plan is correct. Process handling is the harness's
 (:func:`~fsdp_compat.testing.harness.run_ranks`).
 """
 
@@ -16,9 +19,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_compat.testing.harness import RankResult, RunResult, _Diff, _full, run_ranks
+from fsdp_compat.testing.harness import (
+    RankResult,
+    RunResult,
+    _Diff,
+    _full,
+    _mixed_batch_counters,
+    gradient_reduction_factor,
+    rank_batches,
+    reference_backward,
+    run_ranks,
+)
 
-__all__ = ["GLM4V_USER_PLAN", "TINY", "build_tiny", "run_native", "save_tiny", "tiny_batch", "train_native"]
+__all__ = [
+    "GLM4V_USER_PLAN",
+    "TINY",
+    "build_tiny",
+    "run_native",
+    "save_tiny",
+    "tiny_batch",
+    "tiny_batches",
+    "train_native",
+]
 
 #: GLM4V plan entry that a user adds to shard the vision position table on its own (crashes in grid_sample).
 GLM4V_USER_PLAN = {"model.visual.embeddings.position_embedding": "free_full_weight"}
@@ -104,6 +126,13 @@ def tiny_batch(name: str, *, seed: int = 0) -> dict[str, Any]:
     return make_batch(TINY[name][2], seed=seed)
 
 
+def tiny_batches(name: str, world_size: int, *, seed: int = 0, variants: list[str] | None = None) -> list[Any]:
+    """Every rank's micro-batch (the harness's :func:`~fsdp_compat.testing.harness.rank_batches`): rank r's seed
+    is ``seed + r``, ``variants[r]`` its kind for a vision-language model."""
+    cfg = {"model": TINY[name][2], "seed": seed, "world_size": world_size, "variants": variants}
+    return rank_batches(cfg, "cpu")
+
+
 def run_native(
     name: str,
     model_dir: str | os.PathLike[str],
@@ -113,10 +142,19 @@ def run_native(
     steps: int = 2,
     timeout_s: float = 120.0,
     env: dict[str, str | None] | None = None,
+    variants: list[str] | None = None,
+    seed: int = 0,
 ) -> RunResult:
     """Load ``model_dir`` with ``DistributedConfig(fsdp_size=world_size, fsdp_plan=fsdp_plan)`` on fresh gloo ranks
-    and train it ``steps`` AdamW steps next to an unsharded copy; each rank's ``extra`` holds the applied groups."""
+    and train it ``steps`` AdamW steps, each rank on its own micro-batch (``variants[rank]``: a vision-language
+    model's kind of batch), next to an unsharded copy trained on all of them with the mean loss; each rank's
+    ``extra`` holds the applied groups, the reference's losses of its own batch and the mixed-batch counters."""
+    if variants is not None and len(variants) != world_size:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"variants names one batch kind per rank: {len(variants)} for {world_size} ranks")
     cfg = {"name": name, "model_dir": str(model_dir), "fsdp_plan": fsdp_plan, "steps": steps}
+    cfg |= {"variants": variants, "seed": seed}
     return run_ranks(f"{__name__}:train_native", cfg, world_size=world_size, timeout_s=timeout_s, env=env)
 
 
@@ -148,9 +186,12 @@ def fsdp_groups(model: Any) -> list[list[str]]:
     return _fsdp_group_sets(model)
 
 
-def train_against_reference(model: Any, reference: Any, batch: dict[str, Any], steps: int) -> dict[str, Any]:
-    """``steps`` AdamW steps of ``model`` (sharded) and ``reference`` (one process) on ``batch``; the worst
-    relative and absolute gradient/parameter differences (full tensors gathered: every rank calls this)."""
+def train_against_reference(
+    model: Any, reference: Any, batches: list[dict[str, Any]], rank: int, steps: int, *, scale: float = 1.0
+) -> dict[str, Any]:
+    """``steps`` AdamW steps of ``model`` (sharded, on ``batches[rank]``) and ``reference`` (one process, on all
+    ``batches`` with the mean loss); the worst relative and absolute gradient/parameter differences (full tensors
+    gathered: every rank calls this). ``scale`` multiplies the sharded loss (1 / the gradient reduction factor)."""
     import torch
 
     for m in (model, reference):
@@ -163,11 +204,11 @@ def train_against_reference(model: Any, reference: Any, batch: dict[str, Any], s
     ref_params = dict(reference.named_parameters())
     grads, params = _Diff(), _Diff()
     losses: list[float] = []
+    ref_losses: list[float] = []
     for _ in range(steps):
-        loss = model(**batch).loss
-        loss.backward()
-        ref_loss = reference(**batch).loss
-        ref_loss.backward()
+        loss = model(**batches[rank]).loss
+        (loss * scale if scale != 1.0 else loss).backward()
+        ref_losses.append(float(reference_backward(reference, batches)[rank]))
         named = list(model.named_parameters())
         with torch.no_grad():
             for pname, p in named:
@@ -182,6 +223,7 @@ def train_against_reference(model: Any, reference: Any, batch: dict[str, Any], s
         losses.append(float(loss.detach()))
     return {
         "losses": losses,
+        "reference_losses": ref_losses,
         "max_abs_grad_diff": grads.abs,
         "max_rel_grad_diff": grads.rel,
         "max_abs_param_diff": params.abs,
@@ -201,8 +243,14 @@ def train_native(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankR
     model = cls.from_pretrained(cfg["model_dir"], distributed_config=distributed, **load)
     extra["fsdp_groups"] = fsdp_groups(model)
     reference = cls.from_pretrained(cfg["model_dir"], **load)
-    result = train_against_reference(model, reference, tiny_batch(cfg["name"]), cfg["steps"])
+    from torch.distributed.device_mesh import init_device_mesh
+
+    factor = gradient_reduction_factor(init_device_mesh("cpu", (cfg["world_size"],)))  # torch 2.8 + gloo: sums
+    batches = tiny_batches(cfg["name"], cfg["world_size"], seed=cfg.get("seed", 0), variants=cfg.get("variants"))
+    result = train_against_reference(model, reference, batches, rank, cfg["steps"], scale=1.0 / factor)
     extra["worst_param"] = result.pop("worst")
+    extra["reference_losses"] = result.pop("reference_losses")
+    extra["mixed_batches"] = _mixed_batch_counters(model)
     return RankResult(rank=rank, ok=True, extra=extra, **result)
 
 
