@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fsdp_compat.activation import logger
+from fsdp_compat.safety import unsafe_targets  # the one safety checker; adapters import it from here
 
 __all__ = [
     "bottom_up",
@@ -68,44 +69,6 @@ def warn_unmatched(framework: str, model: Any, names: list[str], kept: list[str]
 def _inside(path: str, other: str) -> bool:
     """``other`` is ``path`` or below it."""
     return not path or other == path or other.startswith(path + ".")
-
-
-def _breaks(event: Any, path: str) -> bool:
-    """Whether ``event`` (static evidence) touches the parameters of ``path`` while its group would be sharded."""
-    if event.kind == "opaque":  # unreadable code above it may read anything below
-        return event.reader != path and _inside(event.reader, path)
-    if event.kind == "call":  # a child's forward called from outside: the group's own hooks never run
-        return event.owner != path and _inside(path, event.owner) and not _inside(path, event.reader)
-    return _inside(path, event.owner) and not _inside(path, event.reader)
-
-
-def unsafe_targets(model: Any, targets: list[Any]) -> dict[int, str]:
-    """id(target) -> why it cannot own a group: read raw from outside its forward, unreadable code above it, or
-    a parameter shared with a module outside it (static evidence; the framework's own rule ignores all three)."""
-    from fsdp_compat.analysis import find_raw_reads
-
-    paths = {id(m): p for p, m in model.named_modules()}
-    chosen = [(id(t), paths[id(t)]) for t in targets if id(t) in paths]
-    if not chosen:
-        return {}
-    events = find_raw_reads(model).events
-    holders: dict[int, set[str]] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        for param in module.parameters(recurse=False):
-            holders.setdefault(id(param), set()).add(path)
-    why: dict[int, str] = {}
-    for ident, path in chosen:
-        hit = next((e for e in events if _breaks(e, path)), None)
-        if hit is not None:
-            why[ident] = hit.describe()
-        if ident in why:
-            continue
-        for owners in holders.values():
-            inside = {o for o in owners if _inside(path, o)}
-            if inside and inside != owners:
-                why[ident] = f"a parameter of {path} is shared with {sorted(owners - inside)[0] or '<root>'}"
-                break
-    return why
 
 
 def bottom_up(model: Any, targets: list[Any]) -> list[Any]:

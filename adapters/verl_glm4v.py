@@ -73,7 +73,9 @@ def needs_repair() -> bool:
 
 
 #: the replacement the verl adapter's table row carries (deferred: applied when verl imports its glm4v module,
-#: i.e. when ``apply_monkey_patch`` meets a glm4v model); empty where verl's function works as shipped.
+#: i.e. when ``apply_monkey_patch`` meets a glm4v model); empty where verl's function works as shipped. That import
+#: also activates the adapter (the ``repaired`` modules of its registry row in ``fsdp_compat._autoload``), so the
+#: repair is in place when verl's GLM4V forward is used before anything imported ``verl.utils.fsdp_utils``.
 REPAIRS: tuple[Replacement, ...] = (
     (Replacement(GLM4V_MODULE, "_get_input_embeds", make_get_input_embeds, deferred=True),) if needs_repair() else ()
 )

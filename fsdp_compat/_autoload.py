@@ -85,18 +85,30 @@ def warn(message: str) -> None:
 
 
 class AdapterEntry:
-    """One adapter: its module and, per distribution, ``(trigger module, supported versions as PEP 440)``."""
+    """One adapter: its module and, per distribution, ``(trigger module, supported versions as PEP 440)``.
 
-    __slots__ = ("distributions", "module")
+    ``repaired``: module -> distribution, modules a deferred repair of that distribution replaces names in; their
+    import activates the distribution too, so a repair is in place whatever the user imported first.
+    """
 
-    def __init__(self, module: str, distributions: dict[str, tuple[str, str]]) -> None:
+    __slots__ = ("distributions", "module", "repaired")
+
+    def __init__(
+        self, module: str, distributions: dict[str, tuple[str, str]], repaired: dict[str, str] | None = None
+    ) -> None:
         self.module = module
         self.distributions = distributions
+        self.repaired = repaired or {}
 
     @property
     def triggers(self) -> dict[str, str]:
         """trigger module -> distribution."""
         return {trigger: dist for dist, (trigger, _) in self.distributions.items()}
+
+    @property
+    def activating(self) -> dict[str, str]:
+        """Every module whose import activates a distribution (the triggers, then the repaired modules)."""
+        return {**self.triggers, **self.repaired}
 
     @property
     def supported(self) -> dict[str, str]:
@@ -110,7 +122,11 @@ class AdapterEntry:
 #: adapter key -> entry. verl: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
 #: SkyRL: skyrl-train is superseded by skyrl (both can be installed side by side); skyrl 0.0.1 is a placeholder.
 ADAPTERS: dict[str, AdapterEntry] = {
-    "verl": AdapterEntry("fsdp_compat.adapters.verl", {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")}),
+    "verl": AdapterEntry(
+        "fsdp_compat.adapters.verl",
+        {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")},
+        {"verl.models.transformers.glm4v": "verl"},  # adapters/verl_glm4v.py repairs it (deferred)
+    ),
     "skyrl": AdapterEntry(
         "fsdp_compat.adapters.skyrl",
         {
@@ -122,6 +138,10 @@ ADAPTERS: dict[str, AdapterEntry] = {
         "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.25")}
     ),
     "areal": AdapterEntry("fsdp_compat.adapters.areal", {"areal": ("areal.engine.fsdp_utils", ">=1.0.4,<1.1")}),
+    "llamafactory": AdapterEntry(
+        "fsdp_compat.adapters.llamafactory",
+        {"llamafactory": ("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2", ">=0.9.5,<0.10")},
+    ),
 }
 
 
@@ -302,7 +322,7 @@ def install() -> bool:
             return False
         engine = hooks()
         for key, entry in ADAPTERS.items():
-            for trigger in entry.triggers:
+            for trigger in entry.activating:
                 engine.watch(trigger, (_PTH_KEY, key), _on_trigger(key))
         return True
     except Exception as exc:

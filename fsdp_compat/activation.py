@@ -337,7 +337,7 @@ class Adapter:
         """A trigger module finished importing: patch its distribution (automatic: never raises)."""
         if not automatic_activation_enabled():
             return
-        distribution = self.entry.triggers.get(trigger)
+        distribution = self.entry.activating.get(trigger)
         if distribution is None:
             return
         try:
@@ -347,7 +347,7 @@ class Adapter:
 
     def activate(self, source: str) -> None:
         """Patch every distribution whose trigger is loaded; watch the other triggers. Never raises."""
-        for trigger, distribution in self.entry.triggers.items():
+        for trigger, distribution in self.entry.activating.items():
             try:
                 if trigger in sys.modules:
                     self._patch_one(distribution, source)

@@ -3,20 +3,32 @@
 The static plan keeps a module out of its own group when the analysis sees a read of its parameters outside the
 group's window. A read the analysis missed would otherwise hand a sharded ``DTensor`` to an op that mixes it with
 plain tensors (``got mixed torch.Tensor and DTensor``). While the guarded model's forward runs, a
-``TorchFunctionMode`` looks at every op's tensor arguments; when one is the sharded parameter of an FSDP2 group,
-the guard unshards that group on the spot (an all-gather, the same on every rank because it depends only on which
-parameter the code reads), hands the op the unsharded parameter, and keeps the group unsharded until the end of
-backward: ``reshard_after_forward`` is off for the step and the group's post-backward (reduce-scatter, reshard)
-runs in FSDP2's root post-backward callback, after every gradient contribution, including the raw read's, has
-arrived. Afterwards the group's own setting comes back, so every step behaves the same. Each group is logged once
+``TorchFunctionMode`` looks at every op's tensor arguments (lists too, positional or by keyword); when one is the
+sharded parameter of an FSDP2 group, the guard unshards that group on the spot (an all-gather), hands the op the
+unsharded parameter, and keeps the group unsharded until the end of backward: ``reshard_after_forward`` is off for
+the step and the group's post-backward (reduce-scatter, reshard) runs in FSDP2's root post-backward callback, after
+every gradient contribution, including the raw read's, has arrived. A ``no_grad`` forward (no backward follows)
+reshards what it unsharded when it ends, but never a group that an earlier training forward holds for its backward.
+Afterwards the group's own setting comes back, so every step behaves the same. Each group is logged once
 (logger ``fsdp_compat``): the parameter, where it was read, and the plan change that avoids the run-time unshard.
 
-``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals (``FSDPParamGroup``, ``FSDPState``; checked
-on torch 2.13); where they differ it warns once and stands aside, leaving FSDP2's own behaviour.
+The all-gather is a collective: every rank of the group must make the same read. Before it, the ranks agree through
+the process group's store (one set and one wait per run-time unshard, nothing when the guard is idle): a read made
+on some ranks only (a data-dependent branch) raises :class:`GuardReadMismatch` on the reading ranks, naming the rank
+and the read, after ``FSDP_COMPAT_GUARD_AGREE_S`` seconds (60) instead of a mismatched collective; a rank whose own
+forward then fails logs that report under its own rank.
+
+``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals (``FSDPParamGroup``, ``FSDPState``;
+``tests/test_guard_contract.py`` checks each one on every torch in CI). Every call into them, wherever it is met
+(discovery, a read, the end of a no-grad forward, the end of backward), is inside the stand-aside path: where they
+differ the guard warns once and stands aside for good, leaving FSDP2's own behaviour; it never raises into the
+user's forward or backward. A group it already holds for the current step is still handed back to FSDP2 at the end
+of that backward.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import itertools
 import logging
@@ -31,11 +43,17 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.tree import ModuleTree
 
-__all__ = ["ENV_GUARD", "Guard", "GuardEvent", "guard_enabled", "guard_of", "install_guard"]
+__all__ = [
+    "ENV_AGREE_S", "ENV_GUARD", "Guard", "GuardEvent", "GuardReadMismatch", "guard_enabled", "guard_of", "install_guard"
+]
 
 ENV_GUARD = "FSDP_COMPAT_GUARD"
+# How long a rank about to unshard at a read waits for every rank of the group to reach the same read (seconds).
+ENV_AGREE_S = "FSDP_COMPAT_GUARD_AGREE_S"
+_AGREE_S_DEFAULT = 60.0
 _OFF = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 logger = logging.getLogger("fsdp_compat")
 
@@ -54,7 +72,18 @@ _METADATA = frozenset(
     + [getattr(torch.Tensor, name) for name in _METADATA_METHODS if hasattr(torch.Tensor, name)]
 )
 
+# What an FSDP2 internal that moved or changed looks like to the guard (a collective's RuntimeError is not one).
+_INTERNALS_CHANGED = (AttributeError, TypeError, KeyError, IndexError, ValueError, AssertionError)
+
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+_ORDINALS = itertools.count()  # guards in the order their groups are found: the same on every rank
+
+
+class GuardReadMismatch(FsdpCompatError):
+    """A raw read of a sharded parameter happened on some ranks of its FSDP2 group and not on others (a
+    data-dependent read). Unsharding it on the reading ranks only would pair their all-gather with another
+    collective on the other ranks (gloo: ``Received data size doesn't match``; NCCL: a hang, or wrong data when
+    the sizes happen to match), so the guard raises this instead, before any collective."""
 
 
 def guard_enabled() -> bool:
@@ -110,7 +139,8 @@ class _GuardMode(TorchFunctionMode):
     ) -> Any:
         keys = self.keys
         if keys.isdisjoint(map(id, args)) and (not kwargs or keys.isdisjoint(map(id, kwargs.values()))):
-            for arg in args:  # tensor-list arguments: torch.cat([...]), einsum(eq, [...])
+            # tensor-list arguments, positional or by keyword: torch.cat([...]), torch.cat(tensors=[...])
+            for arg in (*args, *kwargs.values()) if kwargs else args:
                 if arg.__class__ in _SEQ and not keys.isdisjoint(map(id, arg)):
                     break
             else:
@@ -131,12 +161,18 @@ class Guard:
         self._roots: list[tuple[Any, Any, Any]] = []  # (FSDP2 root state, our final-callback wrapper, the one before)
         self._paths: dict[int, str] = {}
         self._pending: dict[Any, Any] = {}  # group -> its own post_forward_mesh_info, until the end of backward
+        self._held_by_grad: set[Any] = set()  # groups pending when a no-grad forward began: its end leaves them
         self._logged: set[int] = set()
         self._depth = 0
         self._entered = False
         self._grad = True
         self._in_final_callback = False
         self._broken = False
+        self._ordinal = -1  # set when the groups are found
+        self._forwards = 0  # guarded forwards so far (the same count on every rank)
+        self._reads = 0  # run-time unshards in the current forward
+        self._agreed_keys: list[str] = []  # this rank's store keys of the previous forward (deleted at the next)
+        self._reported = False  # this rank raised GuardReadMismatch itself
         self._handles = [
             model.register_forward_pre_hook(_marked(self._pre_forward)),
             model.register_forward_hook(_marked(self._post_forward), always_call=True),
@@ -151,7 +187,7 @@ class Guard:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._restore()
+        self._safely(self._restore)
         for state, wrapper, previous in self._roots:
             if vars(state).get("_root_post_backward_final_callback") is wrapper:
                 if isinstance(previous, functools.partial):
@@ -167,13 +203,12 @@ class Guard:
         self._depth += 1
         if self._depth > 1 or self._broken:
             return
-        try:
-            if not self._prepare():
-                return
-        except (AttributeError, TypeError) as exc:  # FSDP2 internals of another torch release
-            self._stand_aside(exc)
+        if not self._safely(self._prepare):
             return
         self._grad = torch.is_grad_enabled()
+        self._held_by_grad = set(self._pending) if not self._grad else set()
+        self._forwards += 1
+        self._reads = 0
         self._mode.__enter__()
         self._entered = True
 
@@ -185,8 +220,12 @@ class Guard:
             return
         self._entered = False
         self._mode.__exit__(None, None, None)
-        if not self._grad and self._pending:
-            self._release()  # no backward will follow a no-grad forward: reshard now
+        if output is None:  # the forward raised: say so if another rank stopped at a read this rank did not make
+            self._safely(self._report_peer_mismatch)
+        if not self._grad and self._pending.keys() - self._held_by_grad:
+            # No backward follows a no-grad forward: reshard what it unsharded, but not the groups a training
+            # forward before it still holds for its own backward (an evaluation pass between forward and backward).
+            self._safely(self._release, self._pending.keys() - self._held_by_grad)
 
     def _prepare(self) -> bool:
         """Find the FSDP2 groups (once they exist) and index their sharded parameters for this forward."""
@@ -221,10 +260,25 @@ class Guard:
                 state._root_post_backward_final_callback = wrapper
                 self._roots.append((state, wrapper, current))
         self._groups = list(groups.values())
+        self._ordinal = next(_ORDINALS)
         self._paths = {id(m): path for path, m in self.model.named_modules(remove_duplicate=False)}
 
+    def _safely(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` with the stand-aside path around it: an FSDP2 internals error disables the guard (one
+        warning) and returns False instead of reaching the user's forward or backward."""
+        try:
+            return call(*args)
+        except _INTERNALS_CHANGED as exc:  # FSDP2 internals of another torch release
+            if isinstance(exc, FsdpCompatError):
+                raise  # the guard's own named errors are meant for the user
+            self._stand_aside(exc)
+            return False
+
     def _stand_aside(self, exc: BaseException) -> None:
+        if self._broken:
+            return
         self._broken = True
+        self._mode.keys = {}.keys()  # the rest of this forward: every op runs as without the guard
         logger.warning(
             "fsdp-compat: run-time guard disabled: this torch's FSDP2 internals differ from what it supports (%s: "
             "%s); FSDP2 runs as without fsdp-compat's guard",
@@ -235,20 +289,28 @@ class Guard:
     # ------------------------------------------------------------------------------------ a read while sharded
 
     def _on_sharded_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _called_from_torch_distributed():
+        if self._broken or _called_from_torch_distributed():
             return func(*args, **kwargs)
+        swap = self._safely(self._serve, func, args, kwargs)
+        if not swap:  # nothing to swap, or the guard stood aside: the op gets what FSDP2 gave it
+            return func(*args, **kwargs)
+        args = tuple(_swapped(a, swap) for a in args)
+        kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    def _serve(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, Any]:
+        """Unshard the groups of the sharded parameters among the op's arguments; return id -> unsharded param."""
         hits = [self._sharded[i] for i in _argument_ids(args, kwargs) if i in self._sharded]
         if func in _METADATA:  # no unshard for metadata; once unsharded, a stale reference answers as the current
             hits = [(group, fp) for group, fp in hits if group.is_unsharded]  # parameter (bf16 under mixed precision)
         for group, fp in hits:
             if not group.is_unsharded:
                 self._unshard(group, fp)
-        swap = {id(fp.sharded_param): fp.unsharded_param for _, fp in hits}
-        args = tuple(_swapped(a, swap) for a in args)
-        kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
+        return {id(fp.sharded_param): fp.unsharded_param for _, fp in hits}
 
     def _unshard(self, group: Any, fp: Any) -> None:
+        self._reads += 1
+        self._agree(group, fp)
         if group not in self._pending:
             self._pending[group] = group.post_forward_mesh_info
             group.post_forward_mesh_info = None  # = set_reshard_after_forward(False) for this group, this step
@@ -263,32 +325,35 @@ class Guard:
     def _deferred_post_backward(self, group: Any, original: Callable[..., Any], *unused: Any) -> None:
         """Autograd reaches a group's post-backward when its own forward's inputs get their gradients, which can
         be before the raw read's backward: only FSDP2's root final callback runs it for a guarded group."""
-        if self._in_final_callback:
+        if self._in_final_callback or group not in self._pending:  # not (or no longer) deferred: FSDP2's own
             original(group, *unused)
 
     def _final_callback(self, original: Callable[[], None]) -> None:
         self._in_final_callback = True
         try:
-            original()
+            original()  # FSDP2's own: its errors are the user's
         finally:
             self._in_final_callback = False
-            self._restore()
+            self._safely(self._restore)
 
-    def _restore(self) -> None:
-        for group, mesh_info in self._pending.items():
-            group.post_forward_mesh_info = mesh_info
+    def _restore(self, groups: Iterable[Any] | None = None) -> None:
+        """Give ``groups`` (default: every pending group) back their own reshard setting and post-backward."""
+        for group in list(self._pending if groups is None else groups):
             vars(group).pop("post_backward", None)
-        self._pending.clear()
+            group.post_forward_mesh_info = self._pending.pop(group)
 
-    def _release(self) -> None:
-        for group in self._pending:
+    def _release(self, groups: Iterable[Any]) -> None:
+        """Reshard ``groups`` now (the end of a no-grad forward) and give them back their own settings."""
+        groups = list(groups)
+        for group in groups:
             if group.is_unsharded:
                 group.reshard()
-        self._restore()
+        self._restore(groups)
 
     # ------------------------------------------------------------------------------------------------ logging
 
-    def _log(self, group: Any, fp: Any) -> None:
+    def _describe(self, group: Any, fp: Any) -> tuple[str, str, str, str, str]:
+        """(group name, parameter, file:line of the read, reading module, the plan change that avoids it)."""
         holder = self._paths.get(id(fp._module_info.module), "?")
         parameter = f"{holder}.{fp._module_info.param_name}" if holder else fp._module_info.param_name
         members = [self._paths.get(id(m), "?") for m in group.modules]
@@ -296,6 +361,84 @@ class Guard:
         owner = next((m for m in members if ModuleTree.is_ancestor_or_self(m, holder)), members[0])  # holds it
         where, reader = self._reading_site()
         advice = _advice(owner, reader, forward_ran=bool(getattr(group, "_post_forward_indices", None)))
+        return name, parameter, where, reader, advice
+
+    # ------------------------------------------------------------------------------- the same read on every rank
+
+    def _agree(self, group: Any, fp: Any) -> None:
+        """Before a run-time all-gather: every rank of the group must be at the same read (the same group as its
+        n-th run-time unshard of this forward), checked through the process group's store with a deadline, so
+        that a read made on some ranks only never becomes a mismatched collective. Raises GuardReadMismatch."""
+        import torch.distributed as dist
+
+        pg = group.mesh_info.shard_process_group
+        if not dist.is_initialized() or dist.get_world_size(pg) <= 1:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(pg)
+        me = dist.get_rank()
+        prefix = self._store_prefix(ranks)
+        for key in self._agreed_keys if self._reads == 1 else ():
+            store.delete_key(key)  # the previous forward's: every rank got past it
+        if self._reads == 1:
+            self._agreed_keys = []
+        name, parameter, where, reader, _ = self._describe(group, fp)
+        key = f"{prefix}/{self._forwards}/{self._reads}/"
+        store.set(key + str(me), name)
+        self._agreed_keys.append(key + str(me))
+        seconds = float(os.environ.get(ENV_AGREE_S) or _AGREE_S_DEFAULT)
+        peers = [key + str(r) for r in ranks if r != me]
+        try:
+            store.wait(peers, datetime.timedelta(seconds=seconds))
+            seen = dict(zip(ranks, [v.decode() for v in store.multi_get([key + str(r) for r in ranks])], strict=True))
+        except RuntimeError:  # DistStoreError: a rank did not reach this read in time
+            present = [r for r in ranks if r == me or store.check([key + str(r)])]
+            seen = {r: store.get(key + str(r)).decode() for r in present}
+        absent = [r for r in ranks if r not in seen]
+        other = {r: g for r, g in seen.items() if g != name}
+        if not absent and not other:
+            return
+        what = []
+        if absent:
+            what.append(f"rank(s) {', '.join(map(str, absent))} did not make this read within {seconds:g}s")
+        if other:
+            what.append("; ".join(f"rank {r} read group {g} at this point instead" for r, g in other.items()))
+        message = (
+            f"fsdp-compat: run-time guard: rank {me} read {parameter} at {where} in {reader or '<root>'}.forward "
+            f"while its FSDP2 group {name} was sharded, but {'; '.join(what)} (a data-dependent raw read, made on "
+            f"some ranks only). The guard did not all-gather: an all-gather on some ranks only would mismatch FSDP2's "
+            f"collectives (gloo: 'Received data size doesn't match', NCCL: a hang or wrong data). To avoid it: "
+            f"read the parameter on every rank (e.g. compute the branch on every rank and mask it), or "
+            f"{_advice(name.split(' + ')[0], reader, forward_ran=False)}."
+        )
+        logger.error(message)
+        self._reported = True
+        store.compare_set(f"{prefix}/mismatch", "", message)  # the first report wins; other ranks read it
+        raise GuardReadMismatch(message)
+
+    def _store_prefix(self, ranks: list[int]) -> str:
+        return f"fsdp_compat/guard/{self._ordinal}/{'-'.join(map(str, ranks))}"
+
+    def _report_peer_mismatch(self) -> None:
+        """After this rank's forward failed: if a rank of a group reported a read this rank did not make, log it
+        here too (naming this rank), so the cause reaches every rank's log, not only the reading rank's."""
+        import torch.distributed as dist
+
+        if not self._groups or not dist.is_initialized() or self._reported:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        for ranks in {tuple(dist.get_process_group_ranks(g.mesh_info.shard_process_group)) for g in self._groups}:
+            key = f"{self._store_prefix(list(ranks))}/mismatch"
+            if len(ranks) > 1 and store.check([key]):
+                report = store.get(key).decode()
+                if report:
+                    logger.error(
+                        "fsdp-compat: run-time guard: rank %d's forward failed after another rank reported a read "
+                        "this rank did not make: %s", dist.get_rank(), report,
+                    )
+
+    def _log(self, group: Any, fp: Any) -> None:
+        name, parameter, where, reader, advice = self._describe(group, fp)
         nbytes = sum(p.unsharded_param.numel() * p.unsharded_param.element_size() for p in group.fsdp_params)
         message = (
             f"fsdp-compat: run-time guard: {parameter} was read while its FSDP2 group {name} was sharded, at "

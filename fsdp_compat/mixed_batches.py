@@ -1,10 +1,12 @@
 """Mixed micro-batches: every rank issues the vision tower's FSDP2 collectives, whether its micro-batch has images
 or not.
 
-Why: FSDP2 pairs collectives across ranks by order. A vision-language model calls its vision tower only for a
-micro-batch with ``pixel_values``; when the tower's blocks have their own FSDP2 groups, a rank whose micro-batch
-has no image skips their all-gathers, so its next all-gather (a text layer) meets another rank's vision-block
-all-gather: gloo aborts ("Received data size doesn't match expected size"), NCCL hangs until its watchdog fires.
+Why: FSDP2 pairs collectives across ranks by order and size. A vision-language model calls its vision tower only
+for a micro-batch with ``pixel_values``. A rank whose micro-batch has no image skips the all-gathers of the tower's
+own groups, so its next all-gather (a text layer) meets another rank's vision-block all-gather; and even where the
+tower has no group of its own, the group that holds its parameters (the root, say) reduce-scatters in backward only
+the parameters that got a gradient, so its reduce-scatter is smaller on that rank. gloo aborts ("Received data size
+doesn't match expected size"), NCCL hangs until its watchdog fires.
 
 How, from the collective order: in transformers' VLM forwards an image rank all-gathers the input embedding's
 group, then the tower's groups once per medium (images, then videos), then the text layers; backward reverses it.
@@ -18,7 +20,7 @@ training on all the ranks' micro-batches (no zero gradients, so AdamW leaves the
 Families are one table (:data:`FAMILIES`): the inner model classes that hold ``visual`` and ``language_model``, the
 vision inputs they take, and the dummy builder. A model whose forward is not transformers' own (verl replaces the
 GLM4V and Qwen-VL forwards with ones that run their own dummy) is left alone. A vision-language model outside the
-table whose vision tower has FSDP2 groups of its own gets the same exchange and, where ranks differ, one
+table whose vision tower is sharded gets the same exchange and, where ranks differ, one
 :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks and the fix, instead of
 a hang.
 
@@ -136,8 +138,8 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
     """Keep ``model``'s ranks' collectives in step when some micro-batches lack vision input (see the module doc).
 
     ``mode`` defaults to ``FSDP_COMPAT_MIXED_BATCHES``. Idempotent; does nothing for text models, in mode ``off``,
-    or while the tower has no FSDP2 group of its own. It may run before ``fully_shard``: whether the tower has
-    groups of its own is decided at the first forward.
+    or where the model is not sharded across ranks. It may run before ``fully_shard``: whether FSDP2 shards the
+    tower is decided at the first forward.
     """
     mode = mixed_batches_mode() if mode is None else mode
     if mode not in MODES:
@@ -174,17 +176,25 @@ def _forward_is_transformers(module: nn.Module) -> bool:
     return str(getattr(forward, "__module__", "")).startswith("transformers.")
 
 
-def _has_own_groups(tower: nn.Module) -> bool:
+def _sharded_across_ranks(root: nn.Module, tower: nn.Module) -> bool:
+    """Whether FSDP2 manages the tower's parameters (in groups of its own or in an enclosing one, the root
+    included) across more than one rank. Either way a rank that skips the tower skips collectives: its blocks'
+    all-gathers, and in backward the enclosing group reduce-scatters only parameters that got a gradient."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in tower.modules())
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    return isinstance(root, FSDPModule) or any(isinstance(m, FSDPModule) for m in tower.modules())
 
 
-def _tower_mesh(tower: nn.Module) -> Any:
-    for p in tower.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            return mesh
+def _mesh_of(*modules: nn.Module) -> Any:
+    """The device mesh of the first sharded (DTensor) parameter found, else None (the default process group)."""
+    for module in modules:
+        for p in module.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                return mesh
     return None
 
 
@@ -239,11 +249,12 @@ class MixedBatches:
 
     def __init__(self, root: nn.Module, path: str, mode: str) -> None:
         self.root_class = type(root).__name__
+        self._root = weakref.ref(root)
         self.path = path
         self.mode = mode
         self.dummy_calls = 0
         self.exchanges = 0
-        self._active: bool | None = None  # decided at the first forward: does the tower have groups of its own?
+        self._active: bool | None = None  # decided at the first forward: is the tower sharded across ranks?
         self._mesh: Any = None
         self._handles: list[Any] = []
 
@@ -254,8 +265,9 @@ class MixedBatches:
 
     def _activate(self, tower: nn.Module) -> bool:
         if self._active is None:
-            self._active = _has_own_groups(tower)
-            self._mesh = _tower_mesh(tower) if self._active else None
+            root = self._root()
+            self._active = root is not None and _sharded_across_ranks(root, tower)
+            self._mesh = _mesh_of(tower, root) if self._active and root is not None else None
         return self._active
 
 
@@ -389,9 +401,10 @@ class _UnknownFamily(MixedBatches):
             raise FsdpCompatError(
                 f"fsdp-compat: mixed micro-batches: rank(s) {_ranks(counts, lambda c: c == 0)} have no "
                 f"{'/'.join(self.pixel_args)} in this forward of {self.root_class} while rank(s) "
-                f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) has FSDP2 groups of its own, so the "
-                "ranks' collectives would fall out of step (a gloo abort, an NCCL hang) and fsdp-compat has no dummy "
-                f"input for this model (it has one for: {names}). Fix: give every micro-batch vision input, or shard "
-                f"{self.path} as part of an enclosing group (no group of its own inside it), or add a row for "
-                f"{self.root_class} to fsdp_compat.mixed_batches.FAMILIES."
+                f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) is sharded by FSDP2, so the ranks' "
+                "collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat has no dummy input "
+                f"for this model (it has one for: {names}). Fix: give every micro-batch vision input, or run the "
+                f"tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its output to the "
+                f"input embeddings (as verl's VLM forwards do), or add a row for {self.root_class} to "
+                "fsdp_compat.mixed_batches.FAMILIES."
             )

@@ -22,10 +22,11 @@ from torch import nn
 from fsdp_compat.analysis import RawRead, find_raw_reads
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.policies import Auto, InputOnly, LayersOnly, Legacy, Policy, resolve_policy
+from fsdp_compat.safety import Key, Layout, sharer_sets, violation, violations
+from fsdp_compat.safety import forbidden as forbidden_roots
 from fsdp_compat.tree import ModuleTree, repeated_block_classes
 
 LayerClasses = Iterable[str | type] | str | type | None
-Key = tuple[str, ...]  # the member paths of one group
 
 
 @dataclass(frozen=True)
@@ -304,44 +305,6 @@ def _select(
 # The auto policy's decisions
 
 
-@dataclass
-class _Decisions:
-    roots: dict[Key, tuple[str, str, dict[str, Any]]] = field(default_factory=dict)  # key -> kind, reason, kw
-    kept: dict[str, str] = field(default_factory=dict)  # candidate path -> why it has no group of its own
-
-    def member_key(self) -> dict[str, Key]:
-        return {path: key for key in self.roots for path in key}
-
-    def group_of(self, tree: ModuleTree, path: str, members: dict[str, Key] | None = None) -> Key:
-        members = members if members is not None else self.member_key()
-        if path in members:
-            return members[path]
-        for ancestor in tree.ancestors(path):
-            if ancestor in members:
-                return members[ancestor]
-        return ("",)
-
-    def drop(self, key: Key, reason: str) -> None:
-        self.roots.pop(key, None)
-        for path in key:
-            self.kept.setdefault(path, reason)
-
-
-def _forbidden(tree: ModuleTree, events: Iterable[RawRead]) -> dict[str, list[RawRead]]:
-    """Modules that may NOT be a group root, each with the evidence that forbids it."""
-    forbidden: dict[str, list[RawRead]] = {}
-    for event in events:
-        if event.kind == "opaque":
-            reader = tree.modules[event.reader]
-            nodes = [p for p, _ in reader.named_modules(prefix=event.reader) if p != event.reader]
-        else:
-            top = tree.lca(event.reader, event.owner)
-            nodes = tree.path_between(event.owner, top, include_low=event.kind == "raw-read")
-        for node in nodes:
-            forbidden.setdefault(node, []).append(event)
-    return forbidden
-
-
 def _lift_target(tree: ModuleTree, events: list[RawRead]) -> str:
     """The highest module whose window covers every read in ``events``."""
     tops = [e.reader if e.kind == "opaque" else tree.lca(e.reader, e.owner) for e in events]
@@ -362,9 +325,9 @@ def _fmt_bytes(n: float) -> str:
 
 def _decide_auto(
     tree: ModuleTree, candidates: dict[str, tuple[str, str]], events: list[RawRead], policy: Auto
-) -> _Decisions:
-    forbidden = _forbidden(tree, events)
-    decisions = _Decisions()
+) -> Layout:
+    forbidden = forbidden_roots(tree, events)
+    decisions = Layout()
     for path in sorted(candidates, key=lambda p: -tree.depth(p)):
         kind, reason = candidates[path]
         blockers = forbidden.get(path)
@@ -402,6 +365,8 @@ def _decide_auto(
                 f"{evidence}; a group of its own would be sharded there, and no module below the root covers "
                 "every read, so it stays in the enclosing group"
             )
+    if policy.split_root_min_bytes is not None:
+        _split_root(tree, decisions, forbidden, policy.split_root_min_bytes)
     _keep_sharers_together(tree, decisions, forbidden, allow_groups=policy.allow_shared_groups)
     _enforce_evidence(tree, decisions, events)
     # Dropping a group never uncovers a read, but it can split sharers again: re-join them (only by dropping).
@@ -409,18 +374,60 @@ def _decide_auto(
     return decisions
 
 
+def _split_root(tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[RawRead]], min_bytes: int) -> None:
+    """Give a group to each top-most module still in the root group that weighs at least ``min_bytes``, has a forward
+    of its own, holds no group below it and whose parameters no read outside its own forward touches.
+
+    The root group is unsharded for the whole forward; such a module's group only during its own forward (the
+    peak model counts it as one more single-module group). The usual checks follow: a group the evidence forbids is
+    never made, and the finished plan is re-checked by ``_enforce_evidence``.
+    """
+    members = decisions.member_key()
+    covered = {a for path in members for a in (path, *tree.ancestors(path))}  # groups at or below these
+    owners_of = {pid: {path for path, _ in owners} for pid, owners in tree.param_owners.items()}
+
+    def own_params_only(path: str) -> bool:
+        return all(
+            all(tree.is_ancestor_or_self(path, o) for o in owners_of[id(param)])
+            for _, param in tree.subtree_params(path)
+        )
+
+    def visit(path: str) -> None:
+        module = tree.modules[path]
+        if path in members:
+            return  # its subtree is that group's
+        if path not in covered:
+            size = _subtree_bytes(tree, path)
+            if size < max(min_bytes, 1):
+                return  # nothing below it weighs more (and a module without parameters needs no group)
+            has_forward = type(module).forward is not nn.Module.forward
+            if has_forward and path not in forbidden and path not in decisions.kept and own_params_only(path):
+                decisions.roots[(path,)] = (
+                    "split-from-root",
+                    f"{type(module).__name__} ({_fmt_bytes(size)}) would stay in the root group, unsharded for the "
+                    "whole forward; only its own forward reads its parameters",
+                    {},
+                )
+                return
+        for child in module._modules.values():
+            child_path = tree.path_of.get(id(child)) if child is not None else None
+            if child_path is not None and tree.parent(child_path) == path:
+                visit(child_path)
+
+    for child in tree.model._modules.values():
+        child_path = tree.path_of.get(id(child)) if child is not None else None
+        if child_path is not None and tree.parent(child_path) == "":
+            visit(child_path)
+
+
 def _keep_sharers_together(
-    tree: ModuleTree, decisions: _Decisions, forbidden: dict[str, list[RawRead]], *, allow_groups: bool
+    tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[RawRead]], *, allow_groups: bool
 ) -> None:
     """Invariant 2: modules holding the same Parameter object live in one group (or all in an enclosing one)."""
-    sharer_sets = {
-        tuple(sorted({path for path, _ in owners}))
-        for owners in tree.param_owners.values()
-        if len({path for path, _ in owners}) > 1
-    }
-    for _ in range(len(sharer_sets) + 2):
+    sets = sharer_sets(tree)
+    for _ in range(len(sets) + 2):
         changed = False
-        for sharers in sorted(sharer_sets):
+        for sharers in sets:
             members = decisions.member_key()
             groups = {decisions.group_of(tree, s, members) for s in sharers}
             if len(groups) == 1:
@@ -455,35 +462,15 @@ def _keep_sharers_together(
             return
 
 
-def _violation(tree: ModuleTree, decisions: _Decisions, event: RawRead, members: dict[str, Key]) -> Key | None:
-    """The group key that breaks ``event``'s window, or None when the plan covers it."""
-    if event.kind == "opaque":
-        for key in decisions.roots:
-            if any(p != event.reader and tree.is_ancestor_or_self(event.reader, p) for p in key):
-                return key
-        return None
-    key = decisions.group_of(tree, event.owner, members)
-    if key == ("",):
-        return None
-    if event.kind == "call" and event.owner in key:
-        return None
-    if any(tree.is_ancestor_or_self(member, event.reader) for member in key):
-        return None
-    no_reshard = key in decisions.roots and decisions.roots[key][2].get("reshard_after_forward") is False
-    if no_reshard and event.kind == "raw-read" and any(p in event.after_forward_of for p in key):
-        return None  # read after the group's own forward, and the group stays unsharded until backward
-    return key
-
-
-def _enforce_evidence(tree: ModuleTree, decisions: _Decisions, events: list[RawRead]) -> None:
+def _enforce_evidence(tree: ModuleTree, decisions: Layout, events: list[RawRead]) -> None:
     """Re-check the finished plan against every piece of evidence; drop any group that would be sharded at a read."""
     for _ in range(len(decisions.roots) + 1):
-        members = decisions.member_key()
-        bad = [(e, k) for e in events if (k := _violation(tree, decisions, e, members)) is not None]
+        bad = violations(tree, decisions, events)
         if not bad:
             return
-        for event, key in bad:
-            decisions.drop(key, f"{event.describe()}; its group would be sharded there")
+        for key, found in bad.items():
+            for event in found:
+                decisions.drop(key, f"{event.describe()}; its group would be sharded there")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -525,7 +512,7 @@ def _bottom_up(tree: ModuleTree, keys: list[Key]) -> tuple[list[Key], list[Key]]
 
 
 def _account(
-    tree: ModuleTree, decisions: _Decisions
+    tree: ModuleTree, decisions: Layout
 ) -> tuple[dict[Key, tuple[int, int]], tuple[int, int], tuple[int, int], dict[str, str]]:
     members = decisions.member_key()
     sizes: dict[Key, list[int]] = {key: [0, 0] for key in decisions.roots}
@@ -581,7 +568,7 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
             )
         decisions = _decide_auto(tree, candidates, analysis.events, chosen_policy)
     else:
-        decisions = _Decisions(roots={(p,): (kind, reason, {}) for p, (kind, reason) in candidates.items()})
+        decisions = Layout(roots={(p,): (kind, reason, {}) for p, (kind, reason) in candidates.items()})
     order, stuck = _bottom_up(tree, list(decisions.roots))
     while stuck:
         if all(len(key) == 1 for key in stuck):  # pragma: no cover - a tree has no cycles
@@ -658,14 +645,13 @@ def unsafe_reads(model: nn.Module, plan: WrapPlan, evidence: Iterable[RawRead] |
     """
     tree = ModuleTree.build(model)
     events = list(evidence) if evidence is not None else find_raw_reads(model, tree).events
-    decisions = _Decisions(roots={g.paths: (g.kind, g.reason, dict(g.overrides)) for g in plan.groups})
+    decisions = Layout(roots={g.paths: (g.kind, g.reason, dict(g.overrides)) for g in plan.groups})
     members = decisions.member_key()
     problems = []
-    for event in events:
-        key = _violation(tree, decisions, event, members)
-        if key is None:
-            continue
-        problems.append(f"{event.describe()}, but group {' + '.join(key)} is sharded there")
+    for event in events:  # in evidence order: the CLI names the first one
+        key = violation(tree, decisions, event, members)
+        if key is not None:
+            problems.append(f"{event.describe()}, but group {' + '.join(key)} is sharded there")
     for owners in tree.param_owners.values():
         groups = {decisions.group_of(tree, path, members) for path, _ in owners}
         if len(groups) > 1:

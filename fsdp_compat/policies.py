@@ -72,7 +72,9 @@ class Auto(Policy):
     parameters weigh at least ``lift_min_bytes`` (large tables stay sharded), and otherwise left in the enclosing
     group (a small table costs no extra all-gather). A candidate read only *after* its own forward keeps its group
     with ``reshard_after_forward=False`` when ``allow_no_reshard``. Modules that hold the same Parameter object share
-    one group.
+    one group. What is left in the root group (unsharded for the whole forward) is split further: a top-most module
+    there weighing at least ``split_root_min_bytes`` (None: never) gets a group of its own when no read outside its
+    own forward touches its parameters.
     """
 
     name: ClassVar[str] = "auto"
@@ -81,6 +83,7 @@ class Auto(Policy):
     allow_no_reshard: bool = True
     allow_shared_groups: bool = True
     wrap_output_embeddings: bool = True
+    split_root_min_bytes: int | None = 32 * MIB
 
 
 POLICIES: dict[str, type[Policy]] = {

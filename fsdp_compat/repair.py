@@ -9,7 +9,7 @@ would crash. A group whose parameters are read while it is sharded is, in this o
   for the whole forward): no read of a parameter can then find it sharded;
 
 and modules that hold one Parameter (tied or shared weights) end up in one group. Safe groups are never touched.
-The evidence and the violation test are the planner's own (:mod:`fsdp_compat.plan`).
+The evidence and the violation test are the planner's own (:mod:`fsdp_compat.safety`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from fsdp_compat.analysis import RawRead, find_raw_reads
-from fsdp_compat.plan import Key, _Decisions, _violation
+from fsdp_compat.safety import Key, Layout, sharer_sets, split_sharers, violations
 from fsdp_compat.tree import ModuleTree
 
 __all__ = ["Change", "ForeignGroup", "repair_groups"]
@@ -68,32 +68,6 @@ def _culprits(tree: ModuleTree, key: Key, events: list[RawRead]) -> list[str]:
     return hit
 
 
-def _split_sharers(
-    tree: ModuleTree, decisions: _Decisions, sharer_sets: list[tuple[str, ...]]
-) -> list[tuple[Key, str, str]]:
-    """Groups to drop so that every set of modules holding one Parameter lives in one group."""
-    out: list[tuple[Key, str, str]] = []
-    members = decisions.member_key()
-    for sharers in sharer_sets:
-        if len({decisions.group_of(tree, s, members) for s in sharers}) <= 1:
-            continue
-        why = f"{', '.join(sharers)} hold one Parameter, which fully_shard cannot split across groups"
-        for node in tree.below_common_ancestor(sharers):
-            out.extend((key, why, node) for key in decisions.roots if node in key)
-    return out
-
-
-def sharer_sets(tree: ModuleTree, extra: Iterable[Iterable[str]] = ()) -> list[tuple[str, ...]]:
-    """Module paths that hold one Parameter object, plus ``extra`` sets (weights a framework ties later)."""
-    sets = {
-        tuple(sorted({path for path, _ in owners}))
-        for owners in tree.param_owners.values()
-        if len({path for path, _ in owners}) > 1
-    }
-    sets |= {tuple(sorted(set(s))) for s in extra if len(set(s)) > 1 and all(p in tree.modules for p in s)}
-    return sorted(sets)
-
-
 def repair_groups(
     model: nn.Module,
     groups: Sequence[ForeignGroup],
@@ -112,20 +86,14 @@ def repair_groups(
     current = [g for g in groups if all(p in tree.modules for p in g.paths)]
     changes: list[Change] = []
     for _ in range(2 * len(current) + 2):
-        decisions = _Decisions(roots={g.paths: ("foreign", "", _overrides(g)) for g in current})
-        members = decisions.member_key()
-        bad: dict[Key, list[RawRead]] = {}
-        for event in events:
-            key = _violation(tree, decisions, event, members)
-            if key is not None:
-                bad.setdefault(key, []).append(event)
-        step = _one_repair(tree, current, bad, decisions, shared)
+        layout = Layout.of((g.paths, _overrides(g)) for g in current)
+        step = _one_repair(tree, current, violations(tree, layout, events), layout, shared)
         if step is None:
             break
         current, change = step
         changes.append(change)
     # Name where each dropped group's parameters ended up, against the final plan.
-    final = _Decisions(roots={g.paths: ("foreign", "", _overrides(g)) for g in current})
+    final = Layout.of((g.paths, _overrides(g)) for g in current)
     members = final.member_key()
     changes = [
         replace(c, now_in=" + ".join(final.group_of(tree, c.paths[0], members)) or "<root>")
@@ -140,7 +108,7 @@ def _one_repair(
     tree: ModuleTree,
     current: list[ForeignGroup],
     bad: dict[Key, list[RawRead]],
-    decisions: _Decisions,
+    layout: Layout,
     shared: list[tuple[str, ...]],
 ) -> tuple[list[ForeignGroup], Change] | None:
     """The next single change (deepest offending group first), or None when the plan is safe."""
@@ -160,7 +128,7 @@ def _one_repair(
             rest = replace(group, paths=tuple(p for p in key if p not in culprits))
             return [rest if g is group else g for g in current], Change(tuple(culprits), "dropped", why)
         return [g for g in current if g is not group], Change(key, "dropped", why)
-    split = _split_sharers(tree, decisions, shared)
+    split = split_sharers(tree, layout, shared)
     if split:
         key, why, _node = max(split, key=lambda item: max(tree.depth(p) for p in item[0]))
         return [g for g in current if g.paths != key], Change(key, "dropped", why)

@@ -63,7 +63,8 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     engine = __import__("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2", fromlist=["FSDP2Engine"])
     extra["patched"] = bool(getattr(engine.FSDP2Engine.prepare_model, "__fsdp_compat__", False))
     extra["groups"] = fsdp_groups(model)
-    batches = [make_batch(cfg["model"], seed=100 + r) for r in range(world)]
+    kinds = cfg.get("variants") or [None] * world  # e.g. ["image", "text"]: rank 1 without images
+    batches = [make_batch(cfg["model"], seed=100 + r, **({"variant": k} if k else {})) for r, k in enumerate(kinds)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     ref_params = dict(reference.named_parameters())

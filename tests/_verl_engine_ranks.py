@@ -22,10 +22,13 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+IMAGE_TOKEN = 10  #: the tiny GLM4V's image placeholder token (fsdp_compat.testing.zoo)
+
 #: the only exception lines the cases record instead of raising (everything else fails the rank)
 EXPECTED_ERRORS = (
     "got mixed torch.Tensor and DTensor",  # FSDP_COMPAT=off: the grid_sampler crash
     "Cannot access accelerator device when none is available",  # CPUOffloadPolicy(pin_memory=True) on CPU
+    "Found no NVIDIA driver on your system",  # the same, with a CUDA build of torch (verl's pin, torch 2.11.0)
 )
 
 
@@ -83,30 +86,37 @@ def adapter_state() -> dict[str, Any]:
 def sft_batch(world_size: int, seed: int = 0) -> Any:
     """The zoo's two GLM4V rows as verl's SFT dataset yields them (no padding), collated by verl's own
     ``SFTTensorCollator`` and wrapped with the SFT trainer's meta info; the same batch on every rank."""
-    import torch
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
-
     from fsdp_compat.testing.verl_smoke import glm4v_position_ids
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     batch = make_batch("glm4v", seed=seed)
     positions = glm4v_position_ids(build_model("glm4v", seed=seed), batch)  # (4, B, L): text row + 3 mrope rows
-    samples, start = [], 0
+    return collate(batch, positions, world_size)
+
+
+def collate(batch: dict[str, Any], positions: Any, world_size: int) -> Any:
+    """Right-padded rows (images optional per row) as verl's SFT dataset yields them, through verl's collator."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
+
+    samples, start, image = [], 0, 0
     for i in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][i].sum())
-        grid = batch["image_grid_thw"][i : i + 1]
-        patches = int(grid.prod())
+        multi_modal: dict[str, Any] = {}
+        if bool((batch["input_ids"][i, :n] == IMAGE_TOKEN).any()):  # a text-only row has no multi-modal input
+            grid = batch["image_grid_thw"][image : image + 1]
+            patches = int(grid.prod())
+            multi_modal = {"pixel_values": batch["pixel_values"][start : start + patches], "image_grid_thw": grid}
+            start, image = start + patches, image + 1
         samples.append(
             {
                 "input_ids": batch["input_ids"][i, :n],
                 "position_ids": positions[:, i, :n].contiguous(),
                 "loss_mask": (batch["labels"][i, :n] != -100).long(),
-                "multi_modal_inputs": {"pixel_values": batch["pixel_values"][start : start + patches],
-                                       "image_grid_thw": grid},
+                "multi_modal_inputs": multi_modal,
             }
         )
-        start += patches
     data = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
     meta = {
         "use_remove_padding": False,
@@ -143,7 +153,7 @@ def _worker(cfg: dict[str, Any], case: dict[str, Any]) -> Any:
     from verl.workers.utils.losses import sft_loss
 
     model = HFModelConfig(
-        path=cfg["model_dir"],
+        path=cfg[case.get("model_dir", "model_dir")],
         load_tokenizer=False,
         use_remove_padding=False,
         override_config={"attn_implementation": "eager"},
@@ -157,7 +167,7 @@ def _worker(cfg: dict[str, Any], case: dict[str, Any]) -> Any:
         infer_micro_batch_size_per_gpu=2,
         **case.get("engine", {}),
     )
-    optimizer = FSDPOptimizerConfig(lr=1e-2, total_training_steps=case.get("steps", 2))
+    optimizer = FSDPOptimizerConfig(lr=1e-2, total_training_steps=case.get("steps", 2), **case.get("optimizer", {}))
     worker = TrainingWorker(
         TrainingWorkerConfig(
             model_type="language_model",
@@ -298,13 +308,272 @@ def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -
     """A case that must stop with one of EXPECTED_ERRORS: the exception line and where it was raised."""
     out: dict[str, Any] = {"error": None}
     try:
-        run_case(cfg, case, rank, out)
+        (run_parity if case.get("kinds") else run_case)(cfg, case, rank, out)
     except Exception as exc:
         line = traceback.format_exception_only(type(exc), exc)[-1].strip()
         if not any(text in line for text in EXPECTED_ERRORS):
             raise
         out.update(error=line, traceback=traceback.format_exc()[-3000:])
     return out
+
+
+# ---------------------------------------------------- different data on every rank, parity, mixed image/text ranks
+
+#: a tiny GLM4V whose vision tower takes verl's text-only dummy: ``_get_input_embeds`` feeds ``zeros(16, 1176)`` with
+#: grid [[1, 4, 4]] when a micro-batch has no image, and 1176 = 3 channels * 2 frames * 14 * 14 (patch size 14)
+P14_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    num_heads=2,
+    intermediate_size=64,
+    out_hidden_size=64,
+    in_channels=3,
+    image_size=56,
+    patch_size=14,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+)
+P14_PATCH_DIM = 3 * 2 * 14 * 14
+#: per kind of micro-batch, each row's image grid (None: a text-only row). Rows differ in length and count of
+#: image tokens from rank to rank, so each rank's share of the global token count differs too.
+P14_ROWS: dict[str, list[list[int] | None]] = {
+    "image": [[1, 4, 4], [1, 4, 8]],
+    "image2": [[1, 8, 4], [1, 8, 8]],
+    "text": [None, None],
+}
+
+
+def build_glm4v_p14(seed: int = 0) -> Any:
+    """The zoo's tiny GLM4V text model with a patch-14 vision tower (transformers 5 config keys), fp32, eager."""
+    import torch
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 3, 3]},
+    )
+    tokens = dict(image_token_id=IMAGE_TOKEN, video_token_id=11, image_start_token_id=12, image_end_token_id=13,
+                  video_start_token_id=14, video_end_token_id=15)
+    config = Glm4vConfig(text_config=text, vision_config=dict(P14_VISION), tie_word_embeddings=False, **tokens)
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Glm4vForConditionalGeneration(config)
+    return model.float().train()
+
+
+def p14_batch(kind: str, seed: int) -> dict[str, Any]:
+    """Right-padded rows for the patch-14 model: text around one image per image row, text only otherwise."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    rows: list[list[int]] = []
+    mm: list[list[int]] = []
+    grids = [grid for grid in P14_ROWS[kind] if grid is not None]
+    for i, grid in enumerate(P14_ROWS[kind]):
+        before = torch.randint(16, 128, (5,), generator=g).tolist()
+        after = torch.randint(16, 128, (4 + 3 * i + seed % 3,), generator=g).tolist()
+        n = 0 if grid is None else grid[0] * grid[1] * grid[2] // 4
+        middle = [12, *([IMAGE_TOKEN] * n), 13] if grid is not None else []
+        rows.append([*before, *middle, *after])
+        mm.append([0] * len(before) + [0, *([1] * n), 0][: len(middle)] + [0] * len(after))
+    length = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    mm_types = torch.zeros_like(input_ids)
+    for i, (r, k) in enumerate(zip(rows, mm, strict=True)):
+        input_ids[i, : len(r)], mask[i, : len(r)], mm_types[i, : len(k)] = torch.tensor(r), 1, torch.tensor(k)
+    labels = input_ids.clone()
+    labels[(mask == 0) | (mm_types != 0)] = -100
+    batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
+                             "mm_token_type_ids": mm_types}
+    if grids:
+        batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        batch["pixel_values"] = torch.randn(sum(t * h * w for t, h, w in grids), P14_PATCH_DIM, generator=g)
+    return batch
+
+
+def p14_sft_batch(kind: str, seed: int, world_size: int) -> Any:
+    """:func:`p14_batch` with verl's 4-row GLM4V position ids, collated by verl's SFT collator."""
+    from fsdp_compat.testing.verl_smoke import glm4v_position_ids
+
+    batch = p14_batch(kind, seed)
+    return collate(batch, glm4v_position_ids(_p14_model(), batch), world_size)
+
+
+_P14: list[Any] = []
+
+
+def _p14_model() -> Any:
+    """One patch-14 model per process, only for its ``get_rope_index`` (position ids depend on config only)."""
+    if not _P14:
+        _P14.append(build_glm4v_p14())
+    return _P14[0]
+
+
+def _full(tensor: Any) -> Any:
+    """The whole tensor of a parameter or gradient (a collective for a sharded DTensor: every rank calls it)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if callable(full) else tensor).detach().clone()
+
+
+def _seed(step: int, rank: int) -> int:
+    return 10 * step + rank
+
+
+def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[str, Any]) -> dict[str, Any]:
+    """verl's engine trains ``steps`` steps, rank r on its own micro-batch (kind ``case["kinds"][r]``, seed per step
+    and rank); then rank 0 trains one unsharded process on all ranks' micro-batches the same way and compares.
+
+    Recorded per rank and step: the rank's own loss (verl's ``sft_loss`` value, wrapped here to be read), the vision
+    tower's calls (a forward pre-hook on ``model.visual``: the input shape of each call) and the lr. Full gradients
+    (as verl's ``optimizer_step`` receives them; its clip is a no-op at ``clip_grad`` 1e9) and post-AdamW parameters
+    are gathered to every rank.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    kinds = case["kinds"]
+    worker = _worker(cfg, case)
+    losses: list[float] = []
+    verl_loss = worker.loss_fn
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        loss, metrics = verl_loss(*args, **kwargs)
+        losses.append(float(loss.detach()))
+        return loss, metrics
+
+    worker.set_loss_fn(recorded)
+    worker.reset()
+    engine = worker.engine
+    out["groups"] = fsdp_groups(engine.module)
+    calls: list[list[int]] = []
+    visual = engine.module.model.visual
+    visual.register_forward_pre_hook(lambda _m, args: calls.append(list(args[0].shape)) and None)
+    out["steps"], grads, params = [], [], []
+    step_optimizer = engine.optimizer_step
+
+    def optimizer_step() -> Any:  # the gradients verl steps with (the vision groups' are gone after train_batch)
+        grads.append({n: None if p.grad is None else _full(p.grad) for n, p in engine.module.named_parameters()})
+        return step_optimizer()
+
+    engine.optimizer_step = optimizer_step
+    for step in range(case.get("steps", 2)):
+        lr, first = engine.optimizer.param_groups[0]["lr"], len(calls)
+        worker.train_batch(p14_sft_batch(kinds[rank % len(kinds)], _seed(step, rank), world))
+        out["steps"].append({"lr": lr, "loss": losses[-1], "vision_calls": calls[first:]})
+        params.append({n: _full(p) for n, p in engine.module.named_parameters()})
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, out["steps"])
+    out["all_ranks_steps"] = everyone
+    if rank == 0:
+        out["reference"] = parity_reference(engine, cfg, case, everyone, grads, params)
+    return out
+
+
+def _worst(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, list[str]]:
+    """Largest absolute difference over every tensor (NaN counts as worst), its name, and names missing a side."""
+    worst, where, missing = 0.0, "", []
+    for name, ref in want.items():
+        mine = got.get(name)
+        if (mine is None) != (ref is None):
+            missing.append(f"{name} ({'absent' if name not in got else 'None'} in the engine, reference {ref is None})")
+            continue
+        if ref is None:
+            continue
+        x = float((mine.float() - ref.float()).abs().max()) if ref.numel() else 0.0
+        if not (x <= worst):  # NaN fails too
+            worst, where = x, name
+    return worst, where, missing
+
+
+def parity_reference(
+    engine: Any, cfg: dict[str, Any], case: dict[str, Any], ranks: list[Any], grads: list[Any], params: list[Any]
+) -> dict[str, Any]:
+    """One process, no FSDP, verl's own GLM4V forward (the classes carry it since ``apply_monkey_patch``) through the
+    engine's ``forward_step`` and ``sft_loss``, on every rank's micro-batch of each step: ``(loss_r / W).backward()``
+    per rank batch r (loss_r normalised by the global token count and multiplied by W, as verl does), then the same
+    AdamW (the engine optimizer's class, defaults and per-step lr). Halving is exact and a+b commutative, so with 2
+    ranks every figure below can be 0.0."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import get_hf_auto_model_class
+
+    world = len(ranks)
+    kinds = case["kinds"]
+    hf_config = engine.model_config.hf_config
+    module = get_hf_auto_model_class(hf_config=hf_config).from_pretrained(
+        cfg[case["model_dir"]], torch_dtype=torch.float32, config=hf_config
+    )
+    from verl.utils.device import get_device_name
+
+    module.to(get_device_name()).train()
+    single = copy.copy(engine)
+    single.module = module
+    import inspect
+
+    kind = type(engine.optimizer)  # AdamW; its defaults hold keys its constructor does not take (AdamW over Adam)
+    accepted = inspect.signature(kind).parameters
+    optimizer = kind(module.parameters(), **{k: v for k, v in engine.optimizer.defaults.items() if k in accepted})
+    calls: list[list[int]] = []
+    module.model.visual.register_forward_pre_hook(lambda _m, args: calls.append(list(args[0].shape)) and None)
+    out: dict[str, Any] = {"steps": []}
+    for step in range(case.get("steps", 2)):
+        for group in optimizer.param_groups:
+            group["lr"] = ranks[0][step]["lr"]
+        optimizer.zero_grad(set_to_none=True)
+        batches = [p14_sft_batch(kinds[r % len(kinds)], _seed(step, r), world) for r in range(world)]
+        tokens = sum(int(b["loss_mask"].sum()) for b in batches)
+        losses, first = [], len(calls)
+        for batch in batches:
+            tu.assign_non_tensor(batch, sp_size=1, dp_size=world, batch_num_tokens=tokens)
+            loss, _ = single.forward_step(batch, loss_function=engine_loss(), forward_only=False)
+            (loss / world).backward()
+            losses.append(float(loss.detach()))
+        named = dict(module.named_parameters())
+        grad_diff, grad_at, grad_missing = _worst(grads[step], {n: p.grad for n, p in named.items()})
+        optimizer.step()
+        param_diff, param_at, param_missing = _worst(params[step], {n: p.detach() for n, p in named.items()})
+        loss_diff = 0.0
+        for r in range(world):
+            x = abs(ranks[r][step]["loss"] - losses[r])
+            if not (x <= loss_diff):
+                loss_diff = x
+        out["steps"].append(
+            {
+                "losses": losses,
+                "loss_diff": loss_diff,
+                "grad_diff": grad_diff,
+                "grad_at": grad_at,
+                "param_diff": param_diff,
+                "param_at": param_at,
+                "missing": grad_missing + param_missing,
+                "vision_calls": calls[first:],
+                "grad_norm_vision": float(
+                    sum(p.grad.float().pow(2).sum() for n, p in named.items() if "visual" in n and p.grad is not None)
+                ),
+                "params": len(named),
+            }
+        )
+    return out
+
+
+def engine_loss() -> Any:
+    """verl's SFT loss as the SFT trainer binds it."""
+    from functools import partial
+
+    from verl.workers.utils.losses import sft_loss
+
+    return partial(sft_loss, config=None)
 
 
 def engine_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
@@ -316,6 +585,8 @@ def engine_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     for case in cfg["cases"]:
         if case.get("expect_failure"):
             extra["cases"][case["name"]] = run_expected_failure(cfg, case, rank)
+        elif case.get("kinds"):
+            extra["cases"][case["name"]] = run_parity(cfg, case, rank, {})
         else:
             extra["cases"][case["name"]] = run_case(cfg, case, rank, {})
         extra["state"] = adapter_state()
@@ -384,6 +655,34 @@ def forward_probe() -> dict[str, Any]:
     if adapter is not None and original is not None:
         adapter.unpatch()
         out["unpatch_restores_verls_function"] = glm4v._get_input_embeds is original
+    return out
+
+
+def forward_first_probe() -> dict[str, Any]:
+    """The order of a reference or evaluation pass: verl's GLM4V forward is used before anything has imported
+    ``verl.utils.fsdp_utils`` (``apply_monkey_patch`` + one image forward, one process, no FSDP)."""
+    import sys
+
+    import torch
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    from fsdp_compat.testing.verl_smoke import glm4v_position_ids
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    out: dict[str, Any] = {"utils_loaded_first": "verl.utils.fsdp_utils" in sys.modules}
+    model, batch = build_model("glm4v"), make_batch("glm4v")
+    batch.pop("labels")
+    with torch.no_grad():
+        reference = model(**batch).logits
+    apply_monkey_patch(model=model, use_remove_padding=False)
+    out["state"] = adapter_state()
+    inputs = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}  # verl's datasets drop it
+    inputs["position_ids"] = glm4v_position_ids(model, batch)
+    try:
+        with torch.no_grad():
+            out["max_abs_logit_diff"] = float((model(**inputs).logits - reference).abs().max())
+    except Exception as exc:
+        out["error"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
     return out
 
 

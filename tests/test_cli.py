@@ -126,10 +126,10 @@ def test_plan_folds_repeated_layers_unless_asked_for_every_row(capsys: pytest.Ca
     folded = capsys.readouterr().out.split("\n\n")[0]
     assert "model.language_model.layers.{0..39}  x40" in folded
     assert "model.visual.blocks.{0..23}  x24" in folded
-    assert "groups: 66 + root" in folded  # the count is of groups, not rows
+    assert "groups: 68 + root" in folded  # the count is of groups, not rows
     numbered = [line for line in folded.splitlines()[2:] if line.strip()[:1].isdigit()]
-    assert len(numbered) == 4  # vision blocks, embed_tokens, text layers, lm_head
+    assert len(numbered) == 6  # vision blocks, merger, downsample (split from root), embed_tokens, layers, lm_head
     assert main(["plan", "full:glm4v", "--all-rows"]) == 0
     every = capsys.readouterr().out.split("\n\n")[0]
-    assert len([line for line in every.splitlines()[2:] if line.strip()[:1].isdigit()]) == 66
+    assert len([line for line in every.splitlines()[2:] if line.strip()[:1].isdigit()]) == 68
     assert "x40" not in every and "model.language_model.layers.39 " in every

@@ -218,9 +218,13 @@ def test_legacy_crashes_where_auto_trains(name: str, crash: str) -> None:
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
     result = run_training(
-        name, "fsdp_compat.testing.wraps:core_auto", steps=3, timeout_s=300, device=DEVICE, world_size=WORLD_SIZE
+        name, "fsdp_compat.testing.wraps:core_auto", steps=3, timeout_s=300, device=DEVICE, world_size=WORLD_SIZE,
+        probe="fsdp_compat.testing.guard_models:guard_report",
     )
     result.raise_for_error()
+    for rank in result.ranks:  # the guard is on and must stay idle: the static plan alone carries every zoo model
+        report = rank.extra["probe"]
+        assert report["guards"] == 1 and report["unshards"] == 0 and not report["events"], report
     print(
         f"{name}: max|Δgrad| {result.max_abs_grad_diff:.3g} (rel {result.max_rel_grad_diff:.3g}), "
         f"max|Δparam| {result.max_abs_param_diff:.3g} (rel {result.max_rel_param_diff:.3g})"

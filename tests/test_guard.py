@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from conftest import DEVICE, WORLD_SIZE
 
-from fsdp_compat.guard import ENV_GUARD, guard_enabled, guard_of, install_guard
+from fsdp_compat.guard import ENV_AGREE_S, ENV_GUARD, guard_enabled, guard_of, install_guard
 from fsdp_compat.testing.harness import RunResult, run_training
 
 MODELS = "fsdp_compat.testing.guard_models"
@@ -218,3 +218,79 @@ def test_install_is_idempotent_and_the_switch_turns_it_off(monkeypatch: pytest.M
     for value in ("off", "0", "false", "NO"):
         monkeypatch.setenv(ENV_GUARD, value)
         assert not guard_enabled() and install_guard(torch.nn.Linear(2, 2)) is None
+
+
+# ------------------------------------------------------------------------- data-parallel: each rank its own batch
+
+DP = "fsdp_compat.testing.guard_models:dp_rank"
+STOOD_ASIDE = "fsdp-compat: run-time guard disabled"
+
+
+def _dp(model: str, policy: str, env: dict[str, str | None], **cfg: object) -> RunResult:
+    """``guard_models.dp_rank`` on WORLD_SIZE ranks, each on its own batch, against the mean-loss twin (0.0)."""
+    from fsdp_compat.testing.harness import run_ranks
+
+    return run_ranks(DP, {"model": model, "policy": policy, **cfg}, world_size=WORLD_SIZE, timeout_s=60, env=env)
+
+
+def test_a_list_passed_by_keyword_is_guarded() -> None:
+    """``torch.cat(tensors=[h, self.embed.weight])``: the sharded parameter inside a keyword list is found."""
+    off = _dp("kwarg_cat", "legacy", OFF, steps=1)
+    assert not off.ok and MIXED in (off.exception or ""), off.error
+    on = _dp("kwarg_cat", "legacy", ON)
+    on.raise_for_error()
+    for rank in on.ranks:
+        assert rank.extra["max_abs_diff"] == 0.0 and rank.extra["unshards"] == 2, rank.extra
+
+
+def test_a_no_grad_forward_between_forward_and_backward_keeps_the_held_group() -> None:
+    """An evaluation forward under no_grad between a training forward and its backward: the guard reshards only
+    what that forward unsharded, never the group the training forward holds for its backward (0.0 after 2 steps)."""
+    result = _dp("passed_embedding", "legacy", ON, no_grad_between=True)
+    result.raise_for_error()
+    for rank in result.ranks:
+        assert rank.extra["max_abs_diff"] == 0.0 and rank.extra["unshards"] == 2, rank.extra
+        assert len(rank.extra["eval_losses"]) == 2 and not rank.extra["stood_aside"], rank.extra
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        "FSDPParamGroup.post_forward_mesh_info",  # met at the first read (the guard's reshard setting)
+        "FSDPParamGroup.wait_for_unshard",  # met after the all-gather started
+        "FSDPParam.unsharded_param",  # met after the group is unsharded and held
+        "FSDPParam._module_info",  # met while writing the log line
+    ],
+)
+def test_an_internals_change_met_at_a_read_stands_aside(hidden: str) -> None:
+    """Every call into FSDP2 internals is inside the stand-aside path: an internal the guard cannot use, met at a
+    read (after discovery worked), gives one warning per rank and FSDP2's own behaviour, here the same crash as with
+    the guard off, never the guard's AttributeError."""
+    result = _dp("passed_embedding", "legacy", ON, hide=[hidden], steps=1)
+    assert not result.ok
+    for rank in result.ranks:
+        assert MIXED in rank.extra.get("exception", ""), rank.error
+        warnings = [line for line in rank.extra["log"] if line.startswith(STOOD_ASIDE)]
+        assert len(warnings) == 1 and "AttributeError" in warnings[0], rank.extra["log"]
+
+
+def test_a_read_on_one_rank_only_is_a_named_error_on_every_rank() -> None:
+    """A data-dependent raw read (``rank0_reads``: only rank 0's batch takes the branch that reads ``blocks.1``'s
+    weight): rank 0's guard must not all-gather alone (its all-gather would pair with rank 1's all-gather of
+    ``blocks.0``, the same size: wrong weights, silently). It waits for every rank at the same read
+    (FSDP_COMPAT_GUARD_AGREE_S, 3 s here), then raises GuardReadMismatch naming the rank and the read; rank 1,
+    whose own collective then fails (here at the 10 s gloo timeout), logs the same report under its own rank.
+    ``linger_s`` keeps rank 0 (which hosts the store in this test) alive as torchrun's agent keeps the store."""
+    env = {**ON, ENV_AGREE_S: "3"}
+    result = _dp("rank0_reads", "layers-only", env, steps=1, collective_timeout_s=10, linger_s=14)
+    assert not result.ok and len(result.ranks) == 2
+    zero, one = result.ranks
+    exception = zero.extra.get("exception", "")
+    assert exception.startswith("fsdp_compat.guard.GuardReadMismatch: "), zero.error
+    assert "rank 0 read blocks.1.lin.weight at " in exception and "guard_models.py:" in exception, exception
+    assert "rank(s) 1 did not make this read within 3s" in exception, exception
+    assert any(line in exception for line in zero.extra["log"]), zero.extra["log"]
+    reports = [line for line in one.extra.get("log", []) if "rank 1's forward failed after another rank" in line]
+    assert len(reports) == 1 and "rank 0 read blocks.1.lin.weight at " in reports[0], one.error
+    assert "max_abs_diff" not in zero.extra and "max_abs_diff" not in one.extra  # no result at all, never a wrong one
+    assert result.seconds < 45, result.seconds

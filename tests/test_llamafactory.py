@@ -39,9 +39,10 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.skipif(bool(MISSING), reason
 TESTS = Path(__file__).resolve().parent
 
 
-def run(model: str, **env: str | None) -> RunResult:
+def run(model: str, variants: list[str] | None = None, **env: str | None) -> RunResult:
     return run_ranks(
-        "_llamafactory_ranks:engine_rank", {"model": model, "steps": 2}, world_size=2, timeout_s=240,
+        "_llamafactory_ranks:engine_rank", {"model": model, "steps": 2, "variants": variants}, world_size=2,
+        timeout_s=240,
         env={"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p), **env},
     )  # fmt: skip
 
@@ -92,3 +93,20 @@ def test_the_class_attribute_is_patched_and_restored_exactly() -> None:
     finally:
         assert adapter.patch() is True
     assert getattr(vars(fsdp2.FSDP2Engine)["prepare_model"], "__fsdp_compat__", False)
+
+
+def test_rank_without_images_falls_out_of_step_then_trains_exactly() -> None:
+    """Mixed micro-batches (rank 0 images, rank 1 text only). LLaMA-Factory 0.9.5 reads ``_no_split_modules`` only
+    when it is a list, and transformers 5 makes it a set, so no vision block gets a group of its own; the tower
+    sits in the root group, which in backward reduce-scatters only the parameters that got a gradient: the
+    image-less rank's reduce-scatter is smaller and gloo aborts. With fsdp-compat's alignment it trains exactly."""
+    off = run("glm4v", ["image", "text"], FSDP_COMPAT=None, FSDP_COMPAT_POLICY=None, FSDP_COMPAT_MIXED_BATCHES="off")
+    assert not off.ok
+    text = "\n".join(f"{r.error}{r.extra.get('log_tail', '')}" for r in off.ranks)
+    assert "Received data size doesn't match expected size" in text, text[-2000:]
+    result = run("glm4v", ["image", "text"], FSDP_COMPAT=None, FSDP_COMPAT_POLICY=None)
+    result.raise_for_error()
+    groups = {path for group in result.ranks[0].extra["groups"] for path in group}
+    assert not any(path.startswith("model.visual.") for path in groups), groups
+    for rank in result.ranks:
+        assert rank.extra["grad_diff"] == 0.0 and rank.extra["param_diff"] == 0.0

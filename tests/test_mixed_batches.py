@@ -28,10 +28,10 @@ WORLD = len(IMAGE_AND_TEXT)
 FAMILY_MODELS = ["glm4v", "glm4v-moe", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 
 
-def _run(model: str, variants: list[str], mode: str = "sync", timeout_s: float = 90.0) -> RunResult:
+def _run(model: str, variants: list[str], mode: str = "sync", timeout_s: float = 90.0, wrap: str = AUTO) -> RunResult:
     return run_training(
         model,
-        AUTO,
+        wrap,
         world_size=len(variants),
         steps=2,
         device=DEVICE,
@@ -70,6 +70,19 @@ def test_rank_without_images_crashes_then_trains_exactly(model: str) -> None:
     # rank 0 never needed a dummy; every text rank ran one per forward (2 steps)
     assert _dummy_calls(run) == [0] + [2] * (WORLD - 1)
     assert all(r.extra["mixed_batches"]["exchanges"] == 2 for r in run.ranks)
+
+
+def test_tower_without_groups_of_its_own_still_falls_out_of_step() -> None:
+    """The whole vision tower in the root group: no vision all-gather to skip, but the root reduce-scatters only the
+    parameters that got a gradient, so the image-less rank's reduce-scatter is smaller. Aligned, it is exact."""
+    wrap = "fsdp_compat.testing.wraps:core_auto_text_layers"
+    off = _run("glm4v", IMAGE_AND_TEXT, mode="off", timeout_s=60.0, wrap=wrap)
+    _assert_mismatch(off)
+    assert "reduce_scatter" in "\n".join(r.error or "" for r in off.ranks)
+    run = _run("glm4v", IMAGE_AND_TEXT, wrap=wrap)
+    _assert_exact(run)
+    assert not any(path.startswith("model.visual") for path in run.ranks[0].extra["fsdp_groups"])
+    assert _dummy_calls(run) == [0] + [2] * (WORLD - 1)
 
 
 def test_no_rank_has_images_runs_no_tower() -> None:

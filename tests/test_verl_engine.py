@@ -46,7 +46,12 @@ SHAPE_CRASH = "AttributeError: 'BaseModelOutputWithPooling' object has no attrib
 ROPE_CRASH_TF4 = (
     "RuntimeError: The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 0"
 )
-PIN_CRASH = "RuntimeError: Cannot access accelerator device when none is available."
+#: pin_memory() without an accelerator: a CPU build of torch, or a CUDA build (verl's torch 2.11.0 pin) on a host
+#: without a GPU driver
+PIN_CRASHES = (
+    "RuntimeError: Cannot access accelerator device when none is available.",
+    "RuntimeError: Found no NVIDIA driver on your system.",
+)
 #: step-1 loss of the fp32 run = the unsharded run of verl's forward on the same weights (CPU, figures above)
 FP32_STEP1_LOSS_CPU = 4.9012651443481445
 TIMEOUT_S = 300.0
@@ -109,12 +114,14 @@ def _world_size() -> int:
     return max(1, torch.cuda.device_count())
 
 
-def _launch(model_dir: str, cases: list[dict[str, Any]], env: dict[str, str]) -> list[dict[str, Any]]:
+def _launch(
+    model_dir: str, cases: list[dict[str, Any]], env: dict[str, str], **dirs: str
+) -> list[dict[str, Any]]:
     clean = {k: "" for k in ("FSDP_COMPAT", "FSDP_COMPAT_POLICY", "VERL_USE_EXTERNAL_MODULES")}
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     result: RunResult = run_ranks(
         "_verl_engine_ranks:engine_ranks",
-        {"model_dir": model_dir, "device": DEVICE, "cases": cases},
+        {"model_dir": model_dir, "device": DEVICE, "cases": cases, **dirs},
         world_size=_world_size(),
         timeout_s=TIMEOUT_S,
         env={**clean, "PYTHONPATH": os.pathsep.join([str(TESTS), *inherited]), **env},
@@ -136,6 +143,38 @@ def on(model_dir: str) -> list[dict[str, Any]]:
     else:  # the blocker is at wrap time on both ranks, before any collective: the launch goes on after it
         cases = CASES + [{**c, "expect_failure": True, "at_setup": True} for c in OFFLOAD]
     return _launch(model_dir, cases, {})
+
+
+@pytest.fixture(scope="module")
+def p14_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny GLM4V with a patch-14 vision tower: verl's text-only dummy (16 x 1176 patches) fits it."""
+    sys.path.insert(0, str(TESTS))
+    import _verl_engine_ranks
+
+    path = tmp_path_factory.mktemp("glm4v-p14")
+    _verl_engine_ranks.build_glm4v_p14().save_pretrained(path)
+    return str(path)
+
+
+#: fp32 compute, and verl's clip made a no-op (clip_grad 1e9: the factor is exactly 1.0): a sharded gradient norm
+#: sums its squares in another order than one process does, so a clip that bites differs in the last bits
+PARITY = {"model_dir": "p14_dir", "engine": {"mixed_precision": FP32}, "optimizer": {"clip_grad": 1e9}}
+#: rank 0 micro-batches of one image per row, rank 1 of other image sizes (another token count) / of text only
+PARITY_CASES = [
+    {"name": "parity", "kinds": ["image", "image2"], **PARITY},
+    {"name": "mixed", "kinds": ["image", "text"], **PARITY},
+]
+
+
+@pytest.fixture(scope="module")
+def parity(model_dir: str, p14_dir: str) -> list[dict[str, Any]]:
+    return _launch(model_dir, PARITY_CASES, {}, p14_dir=p14_dir)
+
+
+@pytest.fixture(scope="module")
+def mixed_off(model_dir: str, p14_dir: str) -> list[dict[str, Any]]:
+    case = {"name": "mixed", "kinds": ["image", "text"], "expect_failure": True, **PARITY}
+    return _launch(model_dir, [case], {"FSDP_COMPAT": "off"}, p14_dir=p14_dir)
 
 
 def _case(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -246,18 +285,78 @@ def test_ref_model_and_offload_policy(on: list[dict[str, Any]]) -> None:
     if DEVICE == "cpu":
         for name in ("ref", "offload_policy"):
             for case in _case(on, name):
-                assert case["error"] == PIN_CRASH and "pin_memory()" in case["traceback"], case
+                assert case["error"].startswith(PIN_CRASHES) and "pin_memory()" in case["traceback"], case
         return
     ref = _case(on, "ref")
     assert all(len(c["losses"]) == 2 and c["losses"][0] == c["losses"][1] for c in ref), ref  # no step: same loss
     _trained(on, "offload_policy")
 
 
+# ------------------------------------------------------- a different batch on every rank; mixed image/text ranks
+
+DUMMY = [16, 1176]  #: verl's text-only dummy: zeros(16, 1176), grid [[1, 4, 4]] (verl/models/transformers/glm4v.py)
+PATCHES = {"image": [48, 1176], "image2": [96, 1176], "text": DUMMY}  #: the vision tower's input per micro-batch kind
+
+
+def _assert_exact_parity(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Every step: each rank's own loss, the full gradients and the post-AdamW parameters equal one process that
+    ran verl's forward on all ranks' micro-batches, ``(loss_r / 2).backward()`` each, one AdamW step: 0.0."""
+    cases = _case(ranks, name)
+    reference = cases[0]["reference"]
+    assert len(reference["steps"]) == 2, reference
+    for step, ref in enumerate(reference["steps"]):
+        assert ref["missing"] == [], ref["missing"]
+        assert ref["loss_diff"] == 0.0, (name, step, ref["loss_diff"], ref["losses"])
+        assert ref["grad_diff"] == 0.0, (name, step, ref["grad_diff"], ref["grad_at"])
+        assert ref["param_diff"] == 0.0, (name, step, ref["param_diff"], ref["param_at"])
+        assert ref["losses"][0] != ref["losses"][1], f"{name}: both ranks saw the same data: {ref['losses']}"
+        assert all(math.isfinite(x) for x in ref["losses"]), ref["losses"]
+    first, second = (s["loss"] for s in cases[0]["steps"])
+    assert first != second, f"{name}: the loss did not move"
+    losses = "; ".join(f"step {i + 1} losses {r['losses']}" for i, r in enumerate(reference["steps"]))
+    print(f"verl {VERL} {name}: {losses}")
+    return reference
+
+
+@needs_engine
+def test_different_batch_per_rank_step2_parity(parity: list[dict[str, Any]]) -> None:
+    """Rank 0 and rank 1 train on different image micro-batches (other sizes, other token counts) for 2 steps:
+    step-1 and step-2 losses, gradients and post-AdamW parameters equal one process exactly (0.0, fp32)."""
+    reference = _assert_exact_parity(parity, "parity")
+    kinds = PARITY_CASES[0]["kinds"]
+    for rank, case in enumerate(_case(parity, "parity")):
+        assert [s["vision_calls"] for s in case["steps"]] == [[PATCHES[kinds[rank]]]] * 2, case["steps"]
+    assert all(s["vision_calls"] == [PATCHES[k] for k in kinds] for s in reference["steps"]), reference
+
+
+@needs_engine
+def test_mixed_batches_off_switch_crashes(mixed_off: list[dict[str, Any]]) -> None:
+    """FSDP_COMPAT=off, rank 0 with images and rank 1 text only: both ranks reach the vision tower (rank 1 through
+    verl's own dummy), both crash in verl's position_embedding group with the grid_sampler error."""
+    for rank in mixed_off:
+        assert not rank["state"]["patched"], rank["state"]
+        assert GRID_SAMPLER_CRASH in rank["cases"]["mixed"]["error"], rank["cases"]["mixed"]
+
+
+@needs_engine
+def test_mixed_image_and_text_ranks_train_with_exact_parity(parity: list[dict[str, Any]]) -> None:
+    """Rank 0 has images, rank 1 none. verl's forward runs the tower on its own zero dummy on rank 1, so the FSDP2
+    collectives pair up; with fsdp-compat installed that dummy runs exactly once per step (a second dummy of ours
+    would show as a second call) and training equals one process on both micro-batches, 0.0 (fp32)."""
+    reference = _assert_exact_parity(parity, "mixed")
+    image, text = _case(parity, "mixed")
+    assert [s["vision_calls"] for s in image["steps"]] == [[PATCHES["image"]]] * 2, image["steps"]
+    assert [s["vision_calls"] for s in text["steps"]] == [[DUMMY]] * 2, text["steps"]
+    for step in reference["steps"]:
+        assert step["vision_calls"] == [PATCHES["image"], DUMMY], step
+        assert step["grad_norm_vision"] > 0.0, step  # the image rank trains the tower
+
+
 # ------------------------------------------------------------------ verl's GLM4V forward, every release, 1 process
 
 
-def _probe(env: dict[str, str]) -> dict[str, Any]:
-    code = "import json, _verl_engine_ranks as r; print(json.dumps(r.forward_probe()))"
+def _probe(env: dict[str, str], probe: str = "forward_probe") -> dict[str, Any]:
+    code = f"import json, _verl_engine_ranks as r; print(json.dumps(r.{probe}()))"
     full = {**os.environ, "PYTHONPATH": str(TESTS), "VERL_USE_EXTERNAL_PLUGINS": "none", **env}
     full.pop("VERL_USE_EXTERNAL_MODULES", None)
     proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -293,3 +392,29 @@ def test_glm4v_forward_unrepaired_when_off() -> None:
     assert out["has_glm4v_forward"], out
     assert not out["state"]["patched"] and not out["state"]["glm4v_repaired"], out
     assert out["error"] == (SHAPE_CRASH if TRANSFORMERS_5 else ROPE_CRASH_TF4), out
+
+
+@has_glm4v_forward
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param({}, id="pth-hook"),
+        pytest.param({"FSDP_COMPAT_AUTOLOAD": "0", "VERL_USE_EXTERNAL_PLUGINS": "auto"}, id="verl.plugins"),
+    ],
+)
+def test_glm4v_forward_first_order_is_repaired(path: dict[str, str]) -> None:
+    """A reference or evaluation pass before any engine: ``apply_monkey_patch`` then an image forward, nothing has
+    imported ``verl.utils.fsdp_utils``. Importing verl's glm4v module activates the adapter (a registry trigger),
+    through the .pth hook or verl's plugin entry point alike; transformers' logits bit for bit. FSDP_COMPAT=off:
+    verl's own function fails (asserted), so the order is the one that used to fail."""
+    if not TRANSFORMERS_5:
+        pytest.skip("transformers 4: verl's GLM4V forward needs no repair (and cannot run, see above)")
+    if path and not ENGINE_ON_CPU:
+        pytest.skip(f"verl {VERL} has no verl.plugins entry points (0.9.0+)")
+    out = _probe({"FSDP_COMPAT": "", **path}, "forward_first_probe")
+    assert not out["utils_loaded_first"], out
+    assert out["state"]["patched"] and out["state"]["glm4v_repaired"], out["state"]
+    assert out["state"]["activated_by"] == ("pth-hook" if not path else "verl.plugins entry point"), out["state"]
+    assert out.get("error") is None and out["max_abs_logit_diff"] == 0.0, out
+    off = _probe({"FSDP_COMPAT": "off", **path}, "forward_first_probe")
+    assert not off["state"]["patched"] and off["error"] == SHAPE_CRASH, off

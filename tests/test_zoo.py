@@ -203,3 +203,21 @@ def test_reference_sizes() -> None:
     assert gemma.model.embed_tokens_per_layer.weight.numel() == 262144 * 35 * 256  # 2.35B
     with pytest.raises(FsdpCompatError, match="qwen2-7b"):
         reference_skeleton("nope")
+
+
+def test_the_guard_report_sees_a_rescue() -> None:
+    """Control for the zoo parity runs' ``unshards == 0`` (tests/test_core.py, probe ``guard_models:guard_report``):
+    the same probe on a plan that needs the guard (GLM4V under ``legacy``) reports the run-time unshards, so a
+    planner regression that the guard silently rescues fails those runs."""
+    from conftest import DEVICE, WORLD_SIZE
+
+    from fsdp_compat.testing.harness import run_training
+
+    result = run_training(
+        "glm4v", "fsdp_compat.testing.wraps:core_legacy", steps=2, timeout_s=120, device=DEVICE,
+        world_size=WORLD_SIZE, probe="fsdp_compat.testing.guard_models:guard_report",
+    )
+    result.raise_for_error()
+    for rank in result.ranks:
+        report = rank.extra["probe"]
+        assert report["guards"] == 1 and report["unshards"] == 2 and len(report["events"]) == 1, report

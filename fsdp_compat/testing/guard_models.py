@@ -366,3 +366,326 @@ def _root_groups(model: nn.Module) -> list[Any]:
     from fsdp_compat.guard import _param_groups
 
     return _param_groups(model._get_fsdp_state())
+
+
+# ------------------------------------------------------------------------------- data-parallel rank routine
+
+_DP_MODELS = {"passed_embedding", "weight_before_forward", "kwarg_cat", "rank0_reads"}
+
+
+class KwargCatLM(PassedEmbeddingLM):
+    """``torch.cat(tensors=[h, embed.weight])``: the sharded parameter reaches the op inside a keyword list."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        rows = torch.cat(tensors=[h.reshape(-1, _DIM), self.embed.weight])  # the table appended as extra rows
+        logits = F.linear(self.head.norm(rows[: h.shape[0] * h.shape[1]]), rows[-_VOCAB:])
+        return Output(F.cross_entropy(logits, labels.reshape(-1)))
+
+
+class Rank0ReadsLM(PassedEmbeddingLM):
+    """Reads ``blocks.1.lin.weight`` raw only when the batch's first token is even: data-dependent, so with
+    different batches one rank reads (its guard would all-gather that group) and another does not."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        h = self.embed(input_ids)
+        if int(input_ids[0, 0]) % 2 == 0:
+            h = h + self.blocks[1].lin.weight.mean()
+        for block in self.blocks:
+            h = block(h)
+        logits = F.linear(self.head.norm(h), self.embed.weight)
+        return Output(F.cross_entropy(logits.reshape(-1, _VOCAB), labels.reshape(-1)))
+
+
+kwarg_cat = GuardModel(KwargCatLM, _batch)
+rank0_reads = GuardModel(Rank0ReadsLM, _batch)
+
+
+def rank_batch(model: str, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s own batch (for ``rank0_reads``: an even first token on rank 0 only, so only rank 0 reads)."""
+    batch = _batch(torch.Generator().manual_seed(10 + rank))
+    if model == "rank0_reads":
+        batch["input_ids"][0, 0] = 2 if rank == 0 else 3
+    return batch
+
+
+def dp_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """Rank routine for :func:`fsdp_compat.testing.harness.run_ranks`: ``cfg["model"]`` (a model of this module)
+    under ``cfg["policy"]`` data-parallel, rank r on its own batch, against an unsharded twin that runs every rank's
+    batch with loss / W before each AdamW step (the mean loss: exact for W <= 2, so the figure is 0.0). With
+    ``cfg["no_grad_between"]`` a ``torch.no_grad()`` forward on another batch runs between each training forward and
+    its backward (an evaluation pass). ``cfg["hide"]`` hides FSDP2 internals from the guard (:func:`hide_from_guard`).
+    Reports ``max_abs_diff`` (NaN-sticky), the guard's unshards and this rank's ``fsdp_compat`` log lines."""
+    import contextlib
+    import copy
+    import logging
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compat.guard import guard_of
+    from fsdp_compat.testing.read_corpus import loss_scale
+
+    torch.set_num_threads(1)
+    lines: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("fsdp_compat").addHandler(Handler(logging.INFO))
+    extra["log"] = lines
+    for spec in cfg.get("hide", []):
+        hide_from_guard(spec)
+    world = cfg["world_size"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.get("collective_timeout_s", cfg["timeout_s"])))
+    name = cfg["model"]
+    assert name in _DP_MODELS, name
+    torch.manual_seed(0)
+    model = globals()[name].build()
+    twin = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    _apply(model, {"mesh": mesh}, cfg["policy"])
+    cfg = {**cfg, "scale": loss_scale(mesh)}
+    batches = [rank_batch(name, r) for r in range(world)]
+    extra["losses"] = []
+    try:
+        worst = _dp_steps(cfg, rank, world, model, twin, batches, extra)
+    except Exception:
+        # ``linger_s``: rank 0 hosts the gloo store here; after it fails it stays up (at most linger_s) until every
+        # other rank has failed too, as torchrun's agent keeps the store up after a rank dies, so the other ranks
+        # can still read what it reported.
+        if cfg.get("linger_s"):
+            store = dist.distributed_c10d._get_default_store()
+            if rank == 0:
+                with contextlib.suppress(RuntimeError):
+                    store.wait([f"dp_rank/failed/{r}" for r in range(1, world)], timedelta(seconds=cfg["linger_s"]))
+            else:
+                store.set(f"dp_rank/failed/{rank}", "1")
+        raise
+    guard = guard_of(model)
+    extra.update(max_abs_diff=worst, guard=guard is not None, unshards=guard.unshards if guard else 0,
+                 stood_aside=bool(guard and guard._broken))
+
+
+def _dp_steps(cfg: dict[str, Any], rank: int, world: int, model: nn.Module, twin: nn.Module,
+              batches: list[dict[str, torch.Tensor]], extra: dict[str, Any]) -> float:
+    from fsdp_compat.testing.read_corpus import full_tensor, worse
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    ref = dict(twin.named_parameters())
+    worst = 0.0
+    for _ in range(cfg.get("steps", 2)):
+        loss = model(**batches[rank]).loss
+        if cfg.get("no_grad_between"):
+            with torch.no_grad():
+                extra.setdefault("eval_losses", []).append(float(model(**batches[(rank + 1) % world]).loss))
+        (loss * cfg["scale"] if cfg["scale"] != 1.0 else loss).backward()
+        for batch in batches:
+            (twin(**batch).loss / world).backward()
+        for pname, p in model.named_parameters():
+            got, want = full_tensor(p.grad), ref[pname].grad
+            if got is None or want is None:
+                worst = worse(worst, 0.0 if got is None and want is None else float("inf"))
+            else:
+                worst = worse(worst, float((got - want).abs().max()))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                worst = worse(worst, float((full_tensor(p) - ref[pname]).abs().max()))
+        extra["losses"].append(float(loss.detach()))
+    return worst
+
+
+# ------------------------------------------------------------------------------- hiding FSDP2 internals
+
+def hide_from_guard(spec: str) -> None:
+    """Make ``spec`` (``"FSDPParamGroup.wait_for_unshard"``, ``"FSDPParam.unsharded_param"``, ``"FSDPState.
+    _fsdp_param_groups"``...) raise AttributeError when fsdp_compat's guard reads or sets it, and only then: what a
+    torch release without that internal looks like to the guard, while FSDP2's own code keeps working."""
+    import os
+    import sys
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+
+    from fsdp_compat import guard
+
+    owners = {"FSDPParamGroup": _fsdp_param_group.FSDPParamGroup, "FSDPParam": _fsdp_param.FSDPParam,
+              "FSDPState": _fsdp_state.FSDPState}
+    cls_name, _, name = spec.partition(".")
+    owner = owners[cls_name]
+    original = owner.__dict__.get(name)
+    guard_file = os.path.realpath(guard.__file__)
+
+    def from_guard() -> bool:
+        return os.path.realpath(sys._getframe(2).f_code.co_filename) == guard_file
+
+    def get(self: Any) -> Any:
+        if from_guard():
+            raise AttributeError(f"{cls_name!r} object has no attribute {name!r} (hidden from the guard by a test)")
+        if original is None:
+            try:
+                return self.__dict__[name]
+            except KeyError:
+                raise AttributeError(name) from None
+        return original.__get__(self, type(self)) if hasattr(original, "__get__") else original
+
+    def set_(self: Any, value: Any) -> None:
+        if from_guard():
+            raise AttributeError(f"{cls_name!r} object has no attribute {name!r} (hidden from the guard by a test)")
+        if hasattr(original, "__set__"):
+            original.__set__(self, value)
+        else:
+            self.__dict__[name] = value
+
+    setattr(owner, name, property(get, set_))
+
+
+# ------------------------------------------------------------------------------- the guard's FSDP2 contract
+
+
+def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """Rank routine: exercise every FSDP2 internal the guard uses, the way the guard uses it, on ``passed_embedding``
+    sharded as each block, then the root (the group under test: ``blocks.0``). ``extra["checks"]``: name -> [holds,
+    what was seen]."""
+    import functools
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_compat.guard import _param_groups
+
+    torch.set_num_threads(1)
+    checks: dict[str, list[Any]] = {}
+    extra["checks"] = checks
+
+    def check(name: str, holds: bool, seen: Any = "") -> None:
+        checks[name] = [bool(holds), str(seen)[:300]]
+
+    world = cfg["world_size"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg["timeout_s"]))
+    torch.manual_seed(0)
+    model = PassedEmbeddingLM()
+    mesh = init_device_mesh("cpu", (world,))
+    for module in model.blocks:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batch = rank_batch("passed_embedding", rank)
+
+    target = model.blocks[0]
+    state = target._get_fsdp_state()
+    groups = _param_groups(state)
+    check("FSDPModule._get_fsdp_state() -> state with _fsdp_param_groups (or _fsdp_param_group < 2.10)",
+          len(groups) == 1, groups)
+    group = groups[0]
+    named = {(f._module_info.module, f._module_info.param_name): f for f in group.fsdp_params}
+    check("FSDPParamGroup.fsdp_params / .modules", len(group.fsdp_params) == 4 and target in group.modules,
+          group.modules)
+    fp = named.get((target.lin, "weight"))
+    check("FSDPParam._module_info.module / .param_name name the registered parameter", fp is not None, named)
+    check("FSDPParam.sharded_param is the module's parameter while sharded, a DTensor",
+          target.lin.weight is fp.sharded_param and isinstance(fp.sharded_param, DTensor)
+          and group.is_sharded and not group.is_unsharded)
+
+    model(**batch).loss.backward()  # lazy init: the root exists now
+    roots = [s for s in state._state_ctx.all_states if s._is_root]
+    check("FSDPState._state_ctx.all_states holds exactly one _is_root state after the first forward",
+          len(roots) == 1 and roots[0] is model._get_fsdp_state(), roots)
+    check("FSDPState._root_post_backward_final_callback is a bound method (instance-overridable)",
+          callable(roots[0]._root_post_backward_final_callback))
+
+    group.unshard()
+    group.wait_for_unshard()
+    full = fp.sharded_param.full_tensor()
+    check("FSDPParamGroup.unshard() + wait_for_unshard(): the module's parameter is FSDPParam.unsharded_param, a plain "
+          "tensor equal to the full parameter",
+          group.is_unsharded and target.lin.weight is fp.unsharded_param
+          and not isinstance(fp.unsharded_param, DTensor) and torch.equal(fp.unsharded_param.detach(), full))
+    group.reshard()
+    check("FSDPParamGroup.reshard(): sharded again", group.is_sharded and target.lin.weight is fp.sharded_param)
+
+    # post_forward_mesh_info=None keeps the group unsharded after its forward; the guard's instance overrides of
+    # post_backward and the root's final callback are what FSDP2 calls.
+    own = group.post_forward_mesh_info
+    check("FSDPParamGroup.post_forward_mesh_info is set under reshard_after_forward=True", own is not None, own)
+    group.post_forward_mesh_info = None
+    calls: dict[str, int] = {"post_backward": 0, "final": 0, "post_backward_in_final": 0}
+    in_final = [False]
+    original_post_backward = type(group).post_backward
+
+    def deferred(*unused: Any) -> None:
+        calls["post_backward"] += 1
+        if in_final[0]:
+            calls["post_backward_in_final"] += 1
+            original_post_backward(group, *unused)
+
+    group.post_backward = deferred
+    root = roots[0]
+    original_final = root._root_post_backward_final_callback
+
+    def final() -> None:
+        calls["final"] += 1
+        in_final[0] = True
+        try:
+            original_final()
+        finally:
+            in_final[0] = False
+
+    root._root_post_backward_final_callback = functools.partial(final)
+    model.zero_grad()
+    out = model(**batch)
+    check("post_forward_mesh_info=None: the group is still unsharded after its forward (and the whole forward)",
+          group.is_unsharded and target.lin.weight is fp.unsharded_param)
+    out.loss.backward()
+    check("an instance override of FSDPState._root_post_backward_final_callback runs once per backward",
+          calls["final"] == 1, calls)
+    check("an instance override of FSDPParamGroup.post_backward is what FSDP2 calls, also from the final callback",
+          calls["post_backward"] >= 1 and calls["post_backward_in_final"] >= 1, calls)
+    grad = target.lin.weight.grad
+    check("the original post_backward run from the final callback reduce-scatters: a sharded gradient, resharded",
+          isinstance(grad, DTensor) and group.is_sharded, type(grad))
+    group.post_forward_mesh_info = own
+    del group.post_backward
+    del root._root_post_backward_final_callback
+    model.zero_grad()
+    model(**batch)
+    check("post_forward_mesh_info restored: the group reshards after its forward again", group.is_sharded)
+    check("FSDPModule is the class fully_shard mixes in", isinstance(target, FSDPModule))
+    pg = group.mesh_info.shard_process_group
+    check("FSDPParamGroup.mesh_info.shard_process_group spans the group's ranks (the guard's read agreement)",
+          dist.get_process_group_ranks(pg) == list(range(world)), dist.get_process_group_ranks(pg))
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"contract/{rank}", "x")
+    store.wait([f"contract/{r}" for r in range(world)], timedelta(seconds=30))
+    check("distributed_c10d._get_default_store(): set, wait, multi_get, check, compare_set, delete_key",
+          store.multi_get([f"contract/{r}" for r in range(world)]) == [b"x"] * world
+          and store.check([f"contract/{rank}"]) and store.compare_set("contract/cas", "", "y") == b"y"
+          and callable(store.delete_key))
+    dist.barrier()  # rank 0 hosts the store: nobody leaves before every rank has used it
+    dist.destroy_process_group()
+
+
+def guard_report() -> dict[str, Any]:
+    """Probe for any wrap (no ``_record`` needed): every guard installed in this rank, found through the guard's own
+    registry, with its run-time unshards and log lines. A plan that needs no guard must report ``unshards == 0``."""
+    from fsdp_compat.guard import _GUARDS
+
+    guards = [g for g in list(_GUARDS.values()) if g.installed]
+    return {
+        "guards": len(guards),
+        "unshards": sum(g.unshards for g in guards),
+        "events": [e.message for g in guards for e in g.events],
+        "stood_aside": any(g._broken for g in guards),
+    }

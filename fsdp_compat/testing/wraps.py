@@ -12,7 +12,15 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["core_auto", "core_auto_lift_all", "core_input_only", "core_layers_only", "core_legacy", "core_legacy_skyrl"]
+__all__ = [
+    "core_auto",
+    "core_auto_lift_all",
+    "core_auto_text_layers",
+    "core_input_only",
+    "core_layers_only",
+    "core_legacy",
+    "core_legacy_skyrl",
+]
 
 
 def _core(model: nn.Module, fsdp_kwargs: dict[str, Any], policy: Any) -> str:
@@ -34,6 +42,14 @@ def core_auto_lift_all(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     return _core(model, fsdp_kwargs, Auto(lift_min_bytes=0))
 
 
+def core_auto_split_all(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """``auto`` with ``split_root_min_bytes=0``: every module left in the root group that only its own forward
+    reads gets a group, however small (the tiny zoo models are under the default 32 MiB threshold)."""
+    from fsdp_compat.policies import Auto
+
+    return _core(model, fsdp_kwargs, Auto(split_root_min_bytes=0))
+
+
 def core_legacy(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     """The verl>=0.7.1 selection rule (crashes on GLM4V; for demonstrations)."""
     return _core(model, fsdp_kwargs, "legacy")
@@ -52,6 +68,15 @@ def core_input_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
 def core_layers_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     """Layers only; everything else stays in the root."""
     return _core(model, fsdp_kwargs, "layers-only")
+
+
+def core_auto_text_layers(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """``auto`` with only the text decoder layers as layer classes: a vision-language model's whole vision tower
+    stays in the root group (no group of its own)."""
+    from fsdp_compat.apply import apply_fsdp2
+
+    text_layer = type(model.get_decoder().layers[0]).__name__
+    return str(apply_fsdp2(model, fsdp_kwargs, [text_layer]))
 
 
 # ------------------------------------------------------------------------------------------------------------
