@@ -87,7 +87,7 @@ class Trainer:
             reference(**batch).loss.backward()
             for name, p in model.named_parameters():
                 g, r = full(p.grad), ref_params[name].grad
-                grad_diff = max(grad_diff, float(((g - r).abs() / r.abs().clamp_min(1)).max()))
+                grad_diff = _worse(grad_diff, float(((g - r).abs() / r.abs().clamp_min(1)).max()))
             opt.step()
             ref_opt.step()
             opt.zero_grad()
@@ -95,7 +95,7 @@ class Trainer:
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     r = ref_params[name]
-                    param_diff = max(param_diff, float(((full(p) - r).abs() / r.abs().clamp_min(1)).max()))
+                    param_diff = _worse(param_diff, float(((full(p) - r).abs() / r.abs().clamp_min(1)).max()))
             losses.append(float(loss.detach()))
         dist.destroy_process_group()
         module = sys.modules.get(ADAPTER_MODULE)
@@ -110,6 +110,23 @@ class Trainer:
             "param_diff": param_diff,
             "losses": losses,
         }
+
+
+def _worse(worst: float, x: float) -> float:
+    """The comparators' running maximum, NaN-sticky (``max(worst, nan)`` keeps ``worst``); shipped with the actor."""
+    return worst if x <= worst or worst != worst else x
+
+
+def test_comparator_fails_on_nan() -> None:
+    """Negative control for the actors' comparator: a NaN difference (a gradient times NaN) is reported, not 0.0."""
+    import math
+
+    import torch
+
+    g = torch.ones(3)
+    diff = float(((g * math.nan - g).abs() / g.abs().clamp_min(1)).max())
+    assert math.isnan(_worse(0.0, diff)) and math.isnan(_worse(_worse(0.0, diff), 0.0))
+    assert _worse(0.0, 0.5) == 0.5 and _worse(0.5, 0.0) == 0.5
 
 
 def _free_port() -> int:
