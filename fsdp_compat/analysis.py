@@ -12,12 +12,16 @@ computed indexing of containers; iteration (``for``, comprehensions, ``enumerate
 aliases (flow-insensitive, tuple unpacking included); calling a module (its hooks run: FSDP2 unshards there);
 calling or reading a Python method/property/function/closure/partial (followed, with the modules it is given bound
 to its parameters, and its return value tracked); metadata of a Parameter (``.shape``, ``.dtype``...); identity
-tests, truth tests and ``isinstance``-style builtins on a module. Any other use of a reference to a module or a
-Parameter - passed to code that is not followed, stored, returned from a forward, reflected on (``parameters()``,
-``_modules``, ``vars``, ``getattr`` with a computed name), used as a value - counts as a read, at that point and by
-the module whose code runs, of every Parameter below the reference (matched by Parameter identity, so a wrapper
-that forwards ``.weight`` to an inner module is charged to the inner module). Source it cannot read makes the
-module *opaque*: the planner then assumes it may read anything below it.
+tests, truth tests and ``isinstance``-style builtins on a module; dynamic access Python resolves from constants
+(``getattr`` with a name bound only to constant strings or a module-level constant, ``_modules``/``_parameters``
+/``vars(...)``/``__dict__`` with a constant key, ``get_submodule``/``get_parameter``, ``operator.attrgetter``),
+``modules()``/``named_parameters()``-style loops narrowed by an ``isinstance`` or constant-name test, and helpers
+reached through a namespace object. A Parameter held in a local counts as read when it was fetched. Any other
+use of a reference to a module or a Parameter - passed to code that is not followed, stored, returned from a
+forward, reflected on (``_modules`` as a whole, ``vars``, ``getattr`` with a computed name), used as a value -
+counts as a read, at that point and by the module whose code runs, of every Parameter below the reference (matched
+by Parameter identity, so a wrapper that forwards ``.weight`` to an inner module is charged to the inner module).
+Source it cannot read makes the module *opaque*: the planner then assumes it may read anything below it.
 
 "After its own forward" is decided by a must-analysis over the control flow (branches, loops, early returns,
 ``try``): a read counts as after module M's call only if M was called earlier on every path to the read.
@@ -30,8 +34,10 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import functools
 import inspect
+import operator
 import textwrap
 import types
 from dataclasses import dataclass, field
@@ -42,12 +48,14 @@ from torch import nn
 
 from fsdp_compat.tree import ModuleTree
 
-# Reading these off a Parameter never touches its data, and they are correct on a sharded DTensor too.
+# Reading these off a Parameter never touches its data, and they are correct on a sharded DTensor too. Not ``type``:
+# ``Tensor.type(dtype)`` is a cast that reads every value (only the argument-less ``.type()`` is a type name; the
+# analysis cannot tell the two apart from the attribute alone, so both count as a read).
 METADATA_ATTRS = frozenset(
     {
         "shape", "dtype", "device", "ndim", "size", "dim", "numel", "nelement", "requires_grad", "is_cuda",
         "is_meta", "layout", "element_size", "is_floating_point", "is_complex", "names", "data_ptr",
-        "is_contiguous", "stride", "__class__", "type",
+        "is_contiguous", "stride", "__class__",
     }
 )
 # Getters that return submodules; calling them during analysis is safe and resolves the chain.
@@ -70,11 +78,21 @@ _HOOK_REGISTRATION = frozenset(
         "register_full_backward_pre_hook", "register_backward_hook",
     }
 )
+# nn.Module methods that hand out Parameters (modelled as iteration over them, with their real names).
+_PARAM_ITERATORS = frozenset({"parameters", "named_parameters"})
+# nn.Module methods that look a submodule or Parameter up by a dotted name with getattr (a constant name resolves).
+_NAME_LOOKUPS = frozenset({"get_submodule", "get_parameter"})
+# Registries whose constant-key subscripts are modelled (``self._modules["emb"]``); other uses reflect.
+_REGISTRIES = frozenset({"_modules", "_parameters", "_buffers"})
+_MAX_CONSTS = 8  # a name that may hold more constant strings than this is treated as computed
 _MAX_STEPS = 6  # longer chains (``x = x.inner`` in a loop) become "any descendant"
 _SCAN_DEPTH = 4  # how deep plain Python objects are searched for references to modules
 _SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
 
-Step = Any  # str attribute | ("()", getter) | ("[]", key or None) | ("?",) dynamic attribute | ("**",) any below
+# A step of a reference chain: str attribute | ("()", getter) | ("[]", key or None or ("sel", predicate)) |
+# ("?",) computed attribute | ("**",) any below | ("isa", types) kept only if an instance | ("via", method) a
+# name lookup by nn.Module's own ``method`` (escapes when the class overrides it).
+Step = Any
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,8 @@ class _Use:
     args: tuple[_Arg, ...] = ()
     node: int = -1
     attr: str = ""
+    bases: tuple[str, ...] = ()  # the variables the expression (and a call's arguments) start from
+    bound: frozenset[int] | None = None  # when some are locals: calls that ran before every binding of them
 
 
 @dataclass(frozen=True)
@@ -217,7 +237,7 @@ def _facts_for_code(code: types.CodeType, func: types.FunctionType) -> _Function
     positional = tuple(a.arg for a in (*args.posonlyargs, *args.args))
     if len(positional) + len(args.kwonlyargs) != code.co_argcount + code.co_kwonlyargcount:
         raise _Opaque(f"the source found for {func.__qualname__} does not match its code")
-    collector = _Collector(node)
+    collector = _Collector(node, func.__globals__, code.co_freevars)
     offset = code.co_firstlineno - 1
     uses = tuple(_replace_line(u, u.lineno + offset) for u in collector.uses)
     return _FunctionFacts(
@@ -234,7 +254,7 @@ def _facts_for_code(code: types.CodeType, func: types.FunctionType) -> _Function
 
 
 def _replace_line(use: _Use, lineno: int) -> _Use:
-    return _Use(use.index, use.refs, use.how, lineno, use.before, use.args, use.node, use.attr)
+    return dataclasses.replace(use, lineno=lineno)
 
 
 def function_facts(func: Any) -> _FunctionFacts:
@@ -254,31 +274,99 @@ def _is_builtin(func: ast.AST, names: str | frozenset[str], stored: set[str]) ->
     return isinstance(func, ast.Name) and func.id in wanted and func.id not in stored
 
 
+_MISSING = object()
+
+
+def _stores(tree: ast.AST | list[Any], skip: ast.AST | None = None, declarations: bool = True) -> dict[str, int]:
+    """How many places bind each name in ``tree`` (nested scopes included; ``skip``'s own parameters left out;
+    ``global``/``nonlocal`` count as unknowably many with ``declarations``)."""
+    own = set()
+    if skip is not None and hasattr(skip, "args"):
+        a = skip.args  # type: ignore[attr-defined]
+        own = {id(x) for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None}
+    counts: dict[str, int] = {}
+
+    def add(name: str | None, n: int = 1) -> None:
+        if name:
+            counts[name] = counts.get(name, 0) + n
+
+    for root in tree if isinstance(tree, list) else [tree]:
+        for node in ast.walk(root):
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                add(node.id)
+            elif isinstance(node, ast.arg) and id(node) not in own:
+                add(node.arg)  # parameters of nested functions and lambdas
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not skip:
+                add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    add((alias.asname or alias.name).split(".")[0])
+            elif isinstance(node, ast.ExceptHandler):
+                add(node.name)
+            elif isinstance(node, (ast.Global, ast.Nonlocal)) and declarations:
+                for name in node.names:
+                    add(name, 1 << 20)  # rebound from elsewhere: never a known value
+            elif isinstance(node, (ast.MatchAs, ast.MatchStar)):
+                add(node.name)
+            elif isinstance(node, ast.MatchMapping):
+                add(node.rest)
+    return counts
+
+
+def _product(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
+    if a is None or b is None or len(a) * len(b) > _MAX_CONSTS:
+        return None
+    return frozenset(x + y for x in a for y in b)
+
+
+def _strs(value: Any) -> frozenset[str] | None:
+    """A constant string, or a constant collection of strings, as a set (None otherwise)."""
+    if isinstance(value, str):
+        return frozenset({value})
+    if isinstance(value, (tuple, list, set, frozenset)) and value and all(isinstance(v, str) for v in value):
+        return frozenset(value) if len(value) <= _MAX_CONSTS else None
+    return None
+
+
 class _Collector:
     """Walks one function body in evaluation order, recording uses and which calls must precede each."""
 
-    def __init__(self, fn: ast.AST) -> None:
+    def __init__(self, fn: ast.AST, globals_: dict[str, Any] | None = None, free: tuple[str, ...] = ()) -> None:
         args = fn.args  # type: ignore[attr-defined]
+        self.globals = globals_ or {}
+        self.free = frozenset(free)  # closure variables: their values are not the module's
         self.params = {a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)}
         self.params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
-        self.stored: set[str] = set()
         self.call_no: dict[int, int] = {}
         for node in ast.walk(fn):
-            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-                self.stored.add(node.id)
-            elif isinstance(node, ast.arg) and node.arg not in self.params:
-                self.stored.add(node.arg)  # parameters of nested functions and lambdas
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not fn:
-                self.stored.add(node.name)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                self.stored.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif isinstance(node, ast.ExceptHandler) and node.name:
-                self.stored.add(node.name)
-            elif isinstance(node, ast.Call):
+            if isinstance(node, ast.Call):
                 self.call_no[id(node)] = len(self.call_no)
+        self.stores = _stores(fn, skip=fn)  # every binding of each name, nested scopes included
+        self.stored: set[str] = set(_stores(fn, skip=fn, declarations=False))
+        # Name bindings whose value is known: ``name = <expr>`` and ``for name in <expr>`` (for constants), and
+        # ``for n, v in <iterable>`` pairs (a test on the name ``n`` selects which item ``v`` is).
+        self.sites: dict[str, list[tuple[str, ast.AST]]] = {}
+        self.pairs: dict[str, str] = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    self._site(target, node.value, "value")
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                self._site(node.target, node.value, "value")
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                self._site(node.target, node.iter, "iter")
+                t = node.target
+                if isinstance(t, ast.Tuple) and len(t.elts) == 2 and all(isinstance(e, ast.Name) for e in t.elts):
+                    n, v = t.elts[0].id, t.elts[1].id  # type: ignore[attr-defined]
+                    if n != v and self.stores.get(n) == 1 and self.stores.get(v) == 1:
+                        self.pairs[n] = v
+        self._consts: dict[str, frozenset[str] | None] = {}
+        self.narrowed: dict[int, tuple[Any, ...]] = {}  # id(Name node) -> constraints that hold where it is read
+        self._narrow_stmts(fn.body if isinstance(fn.body, list) else [fn.body], {})
         self.aliases: dict[str, set[_Ref]] = {}
         self._bind_aliases(fn)
         self.uses: list[_Use] = []
+        self.bind_state: dict[str, frozenset[int]] = {}
         self.cur: frozenset[int] = frozenset()
         self.exits: list[frozenset[int]] = []
         self._nested = 0
@@ -288,6 +376,278 @@ class _Collector:
             self.exits.append(final)
         # Calls that ran on every path by the time the function returns (what its caller may rely on).
         self.exit_before = self._meet(*self.exits) or frozenset()
+        # A Parameter held in a local was fetched when the local was bound (FSDP2 swaps the module's attribute,
+        # not the object the local holds): reads through a local get only what ran before every binding of it.
+        uses = []
+        for u in self.uses:
+            local = [b for b in u.bases if b in self.stored and b not in self.params]
+            if local:
+                u = dataclasses.replace(u, bound=frozenset.intersection(
+                    *(self.bind_state.get(b, frozenset()) for b in local)))
+            uses.append(u)
+        self.uses = uses
+
+    # -- constants: names bound only to constant strings, module-level constants -----------------------------
+
+    def _site(self, target: ast.AST, value: ast.AST, kind: str) -> None:
+        if isinstance(target, ast.Name):
+            self.sites.setdefault(target.id, []).append((kind, value))
+        elif (
+            kind == "value" and isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
+            and len(target.elts) == len(value.elts)
+            and not any(isinstance(e, ast.Starred) for e in (*target.elts, *value.elts))
+        ):
+            for t, v in zip(target.elts, value.elts, strict=True):
+                self._site(t, v, kind)
+
+    def _static(self, node: ast.AST) -> Any:
+        """The value of a module-level name or a dotted path through modules and classes (else _MISSING)."""
+        if isinstance(node, ast.Name):
+            if node.id in self.params or node.id in self.stored or node.id in self.free:
+                return _MISSING
+            if node.id in self.globals:
+                return self.globals[node.id]
+            return getattr(builtins, node.id, _MISSING)
+        if isinstance(node, ast.Attribute):
+            base = self._static(node.value)
+            if isinstance(base, types.ModuleType):
+                return base.__dict__.get(node.attr, _MISSING)
+            if isinstance(base, type):
+                value = inspect.getattr_static(base, node.attr, _MISSING)
+                return value if isinstance(value, (type, str, tuple)) else _MISSING
+        return _MISSING
+
+    def _const_strs(self, node: ast.AST, depth: int = 0) -> frozenset[str] | None:
+        """The strings ``node`` may evaluate to when Python can tell from constants alone (None: computed)."""
+        if depth > 8:
+            return None
+        if isinstance(node, ast.Constant):
+            return frozenset({node.value}) if isinstance(node.value, str) else None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return _product(self._const_strs(node.left, depth + 1), self._const_strs(node.right, depth + 1))
+        if isinstance(node, ast.JoinedStr):
+            out: frozenset[str] | None = frozenset({""})
+            for part in node.values:
+                if isinstance(part, ast.FormattedValue):
+                    if part.conversion != -1 or part.format_spec is not None:
+                        return None
+                    part = part.value
+                out = _product(out, self._const_strs(part, depth + 1))
+            return out
+        if isinstance(node, ast.IfExp):
+            a, b = self._const_strs(node.body, depth + 1), self._const_strs(node.orelse, depth + 1)
+            return None if a is None or b is None or len(a | b) > _MAX_CONSTS else a | b
+        if isinstance(node, ast.Name) and (node.id in self.params or node.id in self.stored):
+            return self._name_consts(node.id, depth)
+        value = self._static(node)
+        return frozenset({value}) if isinstance(value, str) else None
+
+    def _const_iter(self, node: ast.AST, depth: int) -> frozenset[str] | None:
+        """The strings a ``for`` over ``node`` binds (a literal or module-level collection of constants)."""
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts:
+            out: frozenset[str] = frozenset()
+            for elt in node.elts:
+                part = self._const_strs(elt, depth + 1)
+                if part is None:
+                    return None
+                out |= part
+            return out if len(out) <= _MAX_CONSTS else None
+        return _strs(self._static(node))
+
+    def _name_consts(self, name: str, depth: int) -> frozenset[str] | None:
+        if name in self._consts:
+            return self._consts[name]
+        self._consts[name] = None  # while computing (a cycle): unknown
+        sites = self.sites.get(name, [])
+        if name in self.params or not sites or len(sites) != self.stores.get(name, 0):
+            return None  # bound somewhere the value is not known (an argument, a with, an import...)
+        out: frozenset[str] = frozenset()
+        for kind, expr in sites:
+            part = self._const_strs(expr, depth + 1) if kind == "value" else self._const_iter(expr, depth + 1)
+            if part is None:
+                return None
+            out |= part
+        if len(out) > _MAX_CONSTS:
+            return None
+        self._consts[name] = out
+        return out
+
+    # -- narrowing: ``isinstance(m, T)`` and name tests on ``for n, v in ...`` hold where they guard ------------
+
+    def _types(self, node: ast.AST) -> tuple[type, ...] | None:
+        if isinstance(node, ast.Tuple):
+            parts = [self._types(e) for e in node.elts]
+            return None if not parts or any(p is None for p in parts) else tuple(t for p in parts for t in p)
+        value = self._static(node)
+        if isinstance(value, type):
+            return (value,)
+        if isinstance(value, tuple) and value and all(isinstance(v, type) for v in value):
+            return value
+        return None
+
+    def _conds(self, test: ast.AST) -> tuple[dict[str, tuple[Any, ...]], dict[str, tuple[Any, ...]]]:
+        """What holds when ``test`` is true, and when it is false: {name: constraints}."""
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            true, false = self._conds(test.operand)
+            return false, true
+        if isinstance(test, ast.BoolOp):
+            merged: dict[str, tuple[Any, ...]] = {}
+            for value in test.values:
+                part = self._conds(value)[0 if isinstance(test.op, ast.And) else 1]
+                for name, cs in part.items():
+                    merged[name] = merged.get(name, ()) + cs
+            return (merged, {}) if isinstance(test.op, ast.And) else ({}, merged)
+        if isinstance(test, ast.Call) and not test.keywords and len(test.args) == 2:
+            subject = test.args[0]
+            if _is_builtin(test.func, "isinstance", self.stored) and isinstance(subject, ast.Name):
+                found = self._types(test.args[1])
+                return ({subject.id: (("isa", found),)}, {}) if found else ({}, {})
+        if isinstance(test, ast.Call) and not test.keywords and len(test.args) == 1:
+            func = test.func
+            named = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            if named and func.attr in ("startswith", "endswith"):  # type: ignore[union-attr]
+                arg = test.args[0]
+                strs = self._const_iter(arg, 0) if isinstance(arg, ast.Tuple) else self._const_strs(arg)
+                if strs is not None:
+                    return {func.value.id: (("name", (func.attr, tuple(sorted(strs)))),)}, {}  # type: ignore
+        if isinstance(test, ast.Compare) and len(test.ops) == 1:
+            left, op, right = test.left, test.ops[0], test.comparators[0]
+            if isinstance(op, (ast.Eq, ast.NotEq)):
+                for name, other in ((left, right), (right, left)):
+                    strs = self._const_strs(other)
+                    if isinstance(name, ast.Name) and name.id in self.pairs and strs is not None:
+                        c = {name.id: (("name", ("eq", strs)),)}
+                        return (c, {}) if isinstance(op, ast.Eq) else ({}, c)
+            if isinstance(op, (ast.In, ast.NotIn)) and isinstance(left, ast.Name):
+                strs = self._const_iter(right, 0)
+                if strs is not None:
+                    c = {left.id: (("name", ("eq", strs)),)}
+                    return (c, {}) if isinstance(op, ast.In) else ({}, c)
+        return {}, {}
+
+    def _extend(self, env: dict[str, tuple[Any, ...]], conds: dict[str, tuple[Any, ...]],
+                region: list[Any]) -> dict[str, tuple[Any, ...]]:
+        """``env`` plus ``conds`` for the names ``region`` never rebinds (a rebinding would void the test)."""
+        if not conds:
+            return env
+        rebound = _stores(region)
+        new = dict(env)
+        for name, cs in conds.items():
+            if name in rebound:
+                continue
+            for c in cs:
+                if c[0] == "isa":
+                    new[name] = (*new.get(name, ()), c)
+                    continue
+                value = self.pairs.get(name)  # a test on the name of ``for name, value in ...``
+                if value is not None and value not in rebound:
+                    new[value] = (*new.get(value, ()), ("sel", c[1]))
+        return new
+
+    def _narrow_stmts(self, stmts: list[Any], env: dict[str, tuple[Any, ...]]) -> None:
+        for i, s in enumerate(stmts):
+            if not isinstance(s, ast.If):
+                self._narrow(s, env)
+                continue
+            true, false = self._conds(s.test)
+            self._narrow(s.test, env)
+            self._narrow_stmts(s.body, self._extend(env, true, s.body))
+            self._narrow_stmts(s.orelse, self._extend(env, false, s.orelse))
+            exits = (ast.Continue, ast.Break, ast.Return, ast.Raise)
+            if not s.orelse and s.body and isinstance(s.body[-1], exits):
+                env = self._extend(env, false, stmts[i + 1:])  # ``if not isinstance(m, T): continue``
+
+    def _narrow(self, node: ast.AST, env: dict[str, tuple[Any, ...]]) -> None:
+        """Record, for each name read in ``node``, the constraints that hold there."""
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load) and node.id in env:
+                self.narrowed[id(node)] = env[node.id]
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            # The body runs later (a closure sees the name's value then): nothing from here holds inside.
+            outer = [*getattr(node, "decorator_list", ())]
+            if not isinstance(node, ast.ClassDef):
+                outer += [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+            for part in outer:
+                self._narrow(part, env)
+            body = node.body if isinstance(node.body, list) else [node.body]
+            self._narrow_stmts(body, {})
+            return
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            inner = {} if isinstance(node, ast.GeneratorExp) else env  # a generator runs later
+            elts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            for k, gen in enumerate(node.generators):
+                self._narrow(gen.iter, env if k == 0 else inner)
+                for j, test in enumerate(gen.ifs):
+                    self._narrow(test, inner)
+                    later = [*gen.ifs[j + 1:], *node.generators[k + 1:], *elts]
+                    inner = self._extend(inner, self._conds(test)[0], later)
+            for elt in elts:
+                self._narrow(elt, inner)
+            return
+        if isinstance(node, ast.IfExp):
+            self._narrow(node.test, env)
+            true, false = self._conds(node.test)
+            self._narrow(node.body, self._extend(env, true, [node.body]))
+            self._narrow(node.orelse, self._extend(env, false, [node.orelse]))
+            return
+        if isinstance(node, ast.BoolOp):
+            for i, value in enumerate(node.values):
+                self._narrow(value, env)
+                conds = self._conds(value)[0 if isinstance(node.op, ast.And) else 1]
+                env = self._extend(env, conds, node.values[i + 1:])
+            return
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, list):
+                if any(isinstance(v, ast.stmt) for v in value):
+                    self._narrow_stmts(value, env)
+                else:
+                    for v in value:
+                        if isinstance(v, ast.AST):
+                            self._narrow(v, env)
+            elif isinstance(value, ast.AST):
+                self._narrow(value, env)
+
+    @staticmethod
+    def _constrain(refs: Refs, constraints: tuple[Any, ...]) -> Refs:
+        out = set(refs)
+        for c in constraints:
+            if c[0] == "isa":
+                out = {r.plus(c) for r in out}
+            else:  # keep only the item of ``for name, value in ...`` whose name passes the test
+                narrowed = set()
+                for r in out:
+                    if len(r.steps) >= 2 and r.steps[-2] == ("[]", None) and r.steps[-1] == ("[]", 1):
+                        r = _Ref(r.root, (*r.steps[:-2], ("[]", ("sel", c[1])), ("[]", 1)))
+                    narrowed.add(r)
+                out = narrowed
+        return frozenset(out)
+
+    # -- chain-extending calls: getattr, vars, getters, get_submodule/get_parameter, attrgetter ---------------
+
+    def _chain(self, node: ast.Call) -> tuple[ast.AST, list[tuple[Step, ...]]] | None:
+        """(the expression a call extends, the step sequences it may add) when a call only looks something up."""
+        func = node.func
+        if _is_getter(node):
+            return func.value, [(("()", func.attr),)]  # type: ignore[attr-defined]
+        plain = not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args)
+        if _is_builtin(func, "getattr", self.stored) and len(node.args) >= 2 and plain:
+            strs = self._const_strs(node.args[1])
+            return node.args[0], [(s,) for s in sorted(strs)] if strs else [(("?",),)]
+        if not plain or len(node.args) != 1:
+            return None
+        if _is_builtin(func, "vars", self.stored):
+            return node.args[0], [("__dict__",)]
+        if isinstance(func, ast.Attribute) and func.attr in _NAME_LOOKUPS:
+            strs = self._const_strs(node.args[0])
+            if strs is not None:
+                return func.value, [(("via", func.attr), *(s.split(".") if s else ())) for s in sorted(strs)]
+        getter = isinstance(func, ast.Call) and len(func.args) == 1 and not func.keywords
+        if getter and self._static(func.func) is operator.attrgetter:  # type: ignore[union-attr]
+            strs = self._const_strs(func.args[0])  # type: ignore[union-attr]
+            if strs is not None:
+                return node.args[0], [tuple(s.split(".")) for s in sorted(strs)]
+        return None
 
     # -- what an expression may evaluate to --------------------------------------------------------------------
 
@@ -296,7 +656,8 @@ class _Collector:
             found = set(self.aliases.get(node.id, ()))
             if node.id in self.params or node.id not in self.stored:
                 found.add(_Ref(node.id, ()))
-            return frozenset(found)
+            constraints = self.narrowed.get(id(node))
+            return self._constrain(frozenset(found), constraints) if constraints else frozenset(found)
         if isinstance(node, ast.Attribute):
             return frozenset(r.plus(node.attr) for r in self.refs(node.value))
         if isinstance(node, ast.Subscript):
@@ -311,14 +672,17 @@ class _Collector:
             func = node.func
             if isinstance(func, ast.Name) and func.id == "super" and func.id not in self.stored:
                 return frozenset({_Ref("super", ())})
-            if _is_getter(node):
-                return frozenset(r.plus(("()", func.attr)) for r in self.refs(func.value))  # type: ignore[union-attr]
-            if _is_builtin(func, "getattr", self.stored) and len(node.args) >= 2:
-                base = self.refs(node.args[0])
-                name = node.args[1]
-                if isinstance(name, ast.Constant) and isinstance(name.value, str):
-                    return frozenset(r.plus(name.value) for r in base)
-                return frozenset(r.plus(("?",)) for r in base)
+            chain = self._chain(node)
+            if chain is not None:
+                base, options = chain
+                out = set()
+                for r in self.refs(base):
+                    for steps in options:
+                        ref = r
+                        for step in steps:
+                            ref = ref.plus(step)
+                        out.add(ref)
+                return frozenset(out)
             if self.refs(func):
                 return frozenset({_Ref(f"#{self.call_no[id(node)]}", ())})
             return _NONE
@@ -521,8 +885,16 @@ class _Collector:
             return all(_Collector._is_name_target(e.value if isinstance(e, ast.Starred) else e) for e in t.elts)
         return False
 
+    def _note_bind(self, name: str, state: frozenset[int]) -> None:
+        prev = self.bind_state.get(name)
+        self.bind_state[name] = state if prev is None else prev & state
+
     def _store(self, target: ast.AST, state: frozenset[int]) -> frozenset[int]:
         self.cur = state
+        if isinstance(target, ast.Name):
+            self._note_bind(target.id, state)
+        elif isinstance(target, ast.Starred):
+            self._store(target.value, state)
         if isinstance(target, ast.Attribute):
             refs = self.refs(target.value)
             self._visit_inner(target.value)
@@ -559,19 +931,32 @@ class _Collector:
     def _emit(self, refs: Refs, how: str, node: ast.AST, *, args: tuple[_Arg, ...] = (), call: int = -1,
               attr: str = "", cond: bool = False) -> None:
         index = len(self.uses)
-        self.uses.append(_Use(index, refs, how, getattr(node, "lineno", 0), self.cur, args, call, attr))
+        if isinstance(node, ast.Call) and how == "call":
+            parts = [node.func, *node.args, *(k.value for k in node.keywords)]
+        else:
+            parts = [node]
+        bases = tuple(sorted({b for b in map(self._base, parts) if b}))
+        self.uses.append(_Use(index, refs, how, getattr(node, "lineno", 0), self.cur, args, call, attr, bases))
         if how == "call" and not cond:
             self.cur = self.cur | {index}
+
+    def _base(self, node: ast.AST) -> str:
+        """The variable a chain starts from."""
+        while True:
+            if isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred, ast.NamedExpr)):
+                node = node.value
+            elif isinstance(node, ast.Call):
+                chain = self._chain(node)
+                node = chain[0] if chain is not None else node.func
+            else:
+                return node.id if isinstance(node, ast.Name) else ""
 
     def _is_chain(self, node: ast.AST) -> bool:
         if isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)):
             return bool(self.refs(node))
-        if isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS and not node.args and not node.keywords:
-                return bool(self.refs(node))
-            if isinstance(func, ast.Name) and func.id in ("getattr", "super") and func.id not in self.stored:
-                return bool(self.refs(node))
+        if isinstance(node, ast.Call) and (self._chain(node) is not None or _is_builtin(node.func, "super",
+                                                                                           self.stored)):
+            return bool(self.refs(node))
         return False
 
     def _visit_inner(self, node: ast.AST, cond: bool = False) -> None:
@@ -584,13 +969,12 @@ class _Collector:
                 self._visit(node.slice, "value", cond)
         elif isinstance(node, ast.Call):
             func = node.func
-            getter = isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS and not node.args
-            if getter and not node.keywords:
-                self._visit_inner(func.value, cond)  # type: ignore[union-attr]
-            elif isinstance(func, ast.Name) and func.id == "getattr" and node.args and func.id not in self.stored:
-                self._visit_inner(node.args[0], cond)
-                for arg in node.args[1:]:
-                    self._visit(arg, "value", cond)
+            chain = self._chain(node)
+            if chain is not None:
+                self._visit_inner(chain[0], cond)
+                for arg in node.args:  # the name arguments (constants, or a computed name)
+                    if arg is not chain[0]:
+                        self._visit(arg, "value", cond)
             elif not (isinstance(func, ast.Name) and func.id == "super"):
                 self._call(node, cond)
 
@@ -631,6 +1015,7 @@ class _Collector:
             return
         if isinstance(node, ast.NamedExpr):
             self._visit(node.value, "bind", cond)
+            self._note_bind(node.target.id, self.cur)  # type: ignore[union-attr]
             return
         if isinstance(node, (ast.Tuple, ast.List)) and how == "bind":
             for elt in node.elts:  # ``a, b = self.x, self.y``: each element is aliased, not used
@@ -750,6 +1135,8 @@ class _Resolver:
     def resolve(self, obj: Any, steps: tuple[Step, ...], owner: nn.Module | None = None,
                 attr: str = "") -> list[_Resolved]:
         """What a chain of steps reaches when started at ``obj`` (a list: computed keys fan out)."""
+        if steps and isinstance(steps[0], tuple) and steps[0][0] == "isa":  # inside ``if isinstance(obj, T):``
+            return self.resolve(obj, steps[1:], owner, attr) if isinstance(obj, steps[0][1]) else []
         if isinstance(obj, nn.Parameter):
             if id(obj) not in self.tree.params:
                 return []
@@ -773,10 +1160,23 @@ class _Resolver:
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__ if isinstance(value, staticmethod) else types.MethodType(value.__func__, obj)
             return [] if value is None else self.resolve(value, rest)
-        if isinstance(obj, _Seq) and isinstance(step, tuple) and step[0] == "[]":
+        if isinstance(step, tuple) and step[0] == "[]" and (isinstance(obj, _Seq) or type(obj) in (list, tuple)):
             if isinstance(step[1], int) and -len(obj) <= step[1] < len(obj):
                 return self.resolve(obj[step[1]], rest)
-            return [r for item in obj for r in self.resolve(item, rest)]
+            items = list(obj)
+            if isinstance(step[1], tuple):  # ("sel", test): the items whose name passes the test
+                items = [i for i in items if not (isinstance(i, tuple) and i and isinstance(i[0], str))
+                         or _name_passes(i[0], step[1][1])]
+            return [r for item in items for r in self.resolve(item, rest)]
+        if isinstance(step, tuple) and step[0] == "[]" and type(obj) is dict:
+            key = step[1]
+            if key is None or isinstance(key, tuple):
+                return [r for value in list(obj.values()) for r in self.resolve(value, rest)]
+            return self.resolve(obj[key], rest) if key in obj else []  # a missing key raises: nothing read
+        if isinstance(step, str):
+            value = _plain_attr(obj, step)
+            if value is not _MISSING:
+                return self.resolve(value, rest)
         return [_Resolved("object", obj)]  # a plain object reached part-way: judged by what it holds
 
     def _holder(self, value: Any) -> nn.Module | None:
@@ -791,6 +1191,16 @@ class _Resolver:
         if isinstance(step, str):
             if step in _REFLECTION_ATTRS and rest[:1] == ("keys",):
                 return []  # the names only (ModuleDict.keys())
+            key = rest[0][1] if rest and isinstance(rest[0], tuple) and rest[0][0] == "[]" else None
+            if step in _REGISTRIES and isinstance(key, str) and type(getattr(obj, step, None)) is dict:
+                value = getattr(obj, step).get(key)  # ``self._modules["emb"]``: that entry, nothing else
+                return [] if value is None else self.resolve(value, rest[1:], owner=obj, attr=key)
+            if step == "__dict__" and isinstance(key, str) and type(obj.__dict__) is dict:
+                if key in _REGISTRIES:  # ``vars(self)["_modules"]``: the registry itself
+                    return self._module(obj, (key, *rest[1:]))
+                if key not in obj.__dict__:
+                    return []  # submodules and Parameters are not in __dict__: a KeyError, nothing read
+                return self.resolve(obj.__dict__[key], rest[1:], owner=obj, attr=key)
             if step in _REFLECTION_ATTRS or step in ("__getattr__", "__getattribute__"):
                 return [_Resolved("escape", obj, attr=step)]
             dunder = step.startswith("__") and step.endswith("__") and step not in _HOOKED_CALLS
@@ -842,7 +1252,7 @@ class _Resolver:
                 return []
         elif step[0] == "[]":
             key = step[1]
-            if key is None:
+            if key is None or isinstance(key, tuple):  # (a name test only selects among named_* items)
                 nexts = [(child, "") for child in _children(obj)]
             else:
                 try:
@@ -851,19 +1261,53 @@ class _Resolver:
                     return []
         elif step[0] == "?":
             return [_Resolved("escape", obj, attr="<computed attribute>")]
+        elif step[0] == "via":  # get_submodule / get_parameter: getattr along the dotted name
+            if not _defined_by_nn_module(type(obj), step[1]):
+                return [_Resolved("escape", obj, attr=f"{step[1]}() (overridden)")]
+            return self._module(obj, rest)
         elif step[0] == "**":
-            results: list[_Resolved] = []
-            for module in _descendants(obj):
-                results.extend(self._module(module, ()) if not rest else self._module(module, rest))
-                if rest:
-                    continue
-            return results
+            return [r for module in _descendants(obj) for r in self.resolve(module, rest)]
         results = []
         for value, name in nexts:
             if value is None:
                 continue
             results.extend(self.resolve(value, rest, owner=obj, attr=name))
         return results
+
+
+def _name_passes(name: str, test: tuple[str, Any]) -> bool:
+    kind, value = test
+    if kind == "eq":
+        return name in value
+    return name.startswith(value) if kind == "startswith" else name.endswith(value)
+
+
+_PLAIN_GETATTRIBUTE = (object.__getattribute__, types.SimpleNamespace.__getattribute__)
+
+
+def _plain_attr(obj: Any, name: str) -> Any:
+    """``obj.name`` for a plain Python object (a namespace of helpers...) when it is certain what that returns
+    without running code: an instance attribute, or a function, staticmethod or classmethod of its class."""
+    cls = type(obj)
+    if name.startswith("__") or isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
+        return _MISSING
+    if _class_attr(cls, "__getattribute__") not in _PLAIN_GETATTRIBUTE:
+        return _MISSING
+    static = _class_attr(cls, name)
+    if static is not None and hasattr(type(static), "__set__"):
+        return _MISSING  # a data descriptor (property, slot): runs code or is not in __dict__
+    inst = obj.__dict__ if type(getattr(obj, "__dict__", None)) is dict else {}
+    if name in inst:
+        return inst[name]
+    if isinstance(static, types.FunctionType):
+        return types.MethodType(static, obj)
+    if isinstance(static, staticmethod):
+        return static.__func__
+    if isinstance(static, classmethod):
+        return types.MethodType(static.__func__, cls)
+    if static is not None and not hasattr(type(static), "__get__"):
+        return static  # a plain class-level value
+    return _MISSING
 
 
 def _held(obj: Any, tree: ModuleTree, depth: int = _SCAN_DEPTH, seen: set[int] | None = None) -> list[Any]:
@@ -950,19 +1394,36 @@ Bindings = dict[str, tuple[Any, ...]]
 class _Site:
     """Who runs the code at a use, what ran before it on every path, and where it is (both computed lazily)."""
 
-    __slots__ = ("_before", "_where", "reader")
+    __slots__ = ("_before", "_held", "_where", "reader")
 
-    def __init__(self, reader: str, before: Any, where: Any) -> None:
+    def __init__(self, reader: str, before: Any, where: Any, held: Any = None) -> None:
         self.reader = reader
         self._before = before  # a frozenset, or (entry set, called map, use) to union on demand
         self._where = where  # a string, or (facts, lineno)
+        self._held = held  # like _before, for the values the use holds (None: the same as _before)
+
+    @staticmethod
+    def _union(spec: Any) -> frozenset[str]:
+        if isinstance(spec, frozenset):
+            return spec
+        entry, called, use = spec
+        return entry.union(*(called.get(i, frozenset()) for i in use.before)) if use else entry
 
     @property
     def before(self) -> frozenset[str]:
         if not isinstance(self._before, frozenset):
-            entry, called, use = self._before
-            self._before = entry.union(*(called.get(i, frozenset()) for i in use.before)) if use else entry
+            self._before = self._union(self._before)
         return self._before
+
+    @property
+    def held_before(self) -> frozenset[str]:
+        """What ran before the Parameters this use holds were fetched (a local bound earlier holds the object
+        fetched then: after a later call of its module, it is still the sharded one)."""
+        if self._held is None:
+            return self.before
+        if not isinstance(self._held, frozenset):
+            self._held = self._union(self._held)
+        return self._held
 
     @property
     def where(self) -> str:
@@ -1008,7 +1469,7 @@ class _Analyzer:
         for owner_path, name in owners:
             qualified = f"{owner_path}.{name}" if owner_path else name
             self._add(RawRead(site.reader, owner_path, qualified, "raw-read", site.where,
-                              site.before if after else frozenset()))
+                              site.held_before if after else frozenset()))
 
     def _escape(self, obj: Any, site: _Site, why: str) -> None:
         """``obj`` (a module, Parameter or plain object) leaves what the analysis models: a read of all below it."""
@@ -1207,8 +1668,13 @@ class _Analyzer:
         site_of = functools.partial(self._site, facts, reader, before, called)
         for obj in leftovers:
             self._escape(obj, site_of(facts.uses[0] if facts.uses else None), "passed through *args/**kwargs")
+        # Arguments that hold values (a Parameter, a container) rather than modules: fetched by the caller.
+        values = {n for n, objs in bindings.items() if any(not isinstance(o, (nn.Module, _Bound)) for o in objs)}
         for use in facts.uses:
             site = site_of(use)
+            if use.bound is not None or values.intersection(use.bases):
+                held = frozenset() if values.intersection(use.bases) else use.bound
+                site._held = (before, called, dataclasses.replace(use, before=use.before & held))
             targets = self._targets(use.refs, bindings, closure, func, returned, site)
             if use.how == "call":
                 out = self._do_call(use, targets, bindings, closure, func, returned, site, called)
@@ -1350,7 +1816,7 @@ class _Analyzer:
                     forward = _source_function(_forward_function(module))
                 except _Opaque:
                     return None
-                self._function(forward, keywords, ((module,), *positional), path, site.before | {path},
+                self._function(forward, keywords, ((module,), *positional), path, site.held_before | {path},
                                forward_of=module)
             return []
         if res.kind == "param":
@@ -1374,7 +1840,7 @@ class _Analyzer:
             args: tuple[Any, ...] = ((module,), *positional)
             if isinstance(method, staticmethod):
                 args = tuple(positional)
-            return self._function(source, keywords, args, site.reader, site.before, where=site.where)
+            return self._function(source, keywords, args, site.reader, site.held_before, where=site.where)
         if res.kind == "property":
             return self._property(res, site)
         if res.kind == "function":  # super().name
@@ -1383,7 +1849,7 @@ class _Analyzer:
             except _Opaque as exc:
                 self._opaque_method(res.owner, site, str(exc))
                 return []
-            return self._function(source, keywords, ((res.owner,), *positional), site.reader, site.before,
+            return self._function(source, keywords, ((res.owner,), *positional), site.reader, site.held_before,
                                   where=site.where)
         if res.kind == "static":
             if isinstance(res.obj, type):
@@ -1407,11 +1873,19 @@ class _Analyzer:
     def _nn_module_method(self, module: nn.Module, name: str, positional: list[tuple[Any, ...]],
                           keywords: dict[str, tuple[Any, ...]], site: _Site) -> list[Any]:
         """nn.Module's own methods: module iterators and hook registration are modelled, the rest reflects."""
-        if name in _MODULE_ITERATORS:
-            below = list(module.modules()) if name.endswith("modules") else _children(module)
+        if name in _MODULE_ITERATORS or name in _PARAM_ITERATORS:
+            # Every item the call can yield, with its real name when called without arguments (with arguments -
+            # a prefix, recurse=False... - the same or fewer objects, names unknown: a name test keeps them all).
+            if name in _PARAM_ITERATORS:
+                items = list(module.named_parameters())
+            elif name.endswith("modules"):
+                items = list(module.named_modules())
+            else:
+                items = [(n, m) for n, m in module._modules.items() if m is not None]
+            plain = not positional and not keywords
             if name.startswith("named_"):
-                return [_Seq(_Seq(("", m)) for m in below)]
-            return [_Seq(below)]
+                return [_Seq(_Seq((n if plain else None, m)) for n, m in items)]
+            return [_Seq(m for _, m in items)]
         if name in _HOOK_REGISTRATION:
             hooks = [*(positional[0] if positional else ()), *keywords.get("hook", ())]
             path = self.tree.path_of.get(id(module), site.reader)
@@ -1444,7 +1918,7 @@ class _Analyzer:
             return None
         if _torch_code(source) and not torch_ok:
             return None  # torch's functional code: a Parameter handed to it is simply read
-        return self._function(source, kw, (*prefix, *positional), site.reader, site.before, where=site.where)
+        return self._function(source, kw, (*prefix, *positional), site.reader, site.held_before, where=site.where)
 
     def _property(self, res: _Resolved, site: _Site) -> list[Any]:
         static = _class_attr(type(res.obj), res.attr)
@@ -1454,7 +1928,7 @@ class _Analyzer:
         except _Opaque as exc:
             self._opaque_method(res.obj, site, str(exc))
             return []
-        return self._function(source, {}, ((res.obj,),), site.reader, site.before, where=site.where)
+        return self._function(source, {}, ((res.obj,),), site.reader, site.held_before, where=site.where)
 
     def _opaque_method(self, module: Any, site: _Site, why: str) -> None:
         if isinstance(module, nn.Module):

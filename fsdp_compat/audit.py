@@ -41,6 +41,13 @@ def _func_name(func: Callable[..., Any]) -> str:
     return getattr(func, "__name__", "")
 
 
+def _is_metadata(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """An op that looks only at metadata: ``Tensor.type()`` names the type, ``Tensor.type(dtype)`` casts (a read)."""
+    if name == "type":
+        return len(args) <= 1 and kwargs.get("dtype") is None
+    return name in METADATA_ATTRS
+
+
 def _caller_location() -> str:
     frame = sys._getframe(2)
     while frame is not None:
@@ -58,7 +65,7 @@ class _ReadRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if _func_name(func) not in METADATA_ATTRS:
+        if not _is_metadata(_func_name(func), args, kwargs):
             executing = set(self.state.stack)
             leaves, _ = tree_flatten((args, kwargs))
             for leaf in leaves:

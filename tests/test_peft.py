@@ -4,10 +4,13 @@ A user's own peft model breaks GLM4V again when the planner groups by module pat
 target that includes ``position_embedding`` puts the table behind a wrapper whose inner module gets its own group
 under the upstream rule (``legacy``), and the vision embeddings' raw read crashes in ``F.grid_sample``. Under
 ``auto`` the read is matched to the module that owns the Parameter (through the wrapper), so the static plan alone
-(guard off) trains with exact parity (0.0) against an unsharded twin.
+(guard off) trains with exact parity (0.0) against an unsharded twin: each rank its own batch, the twin on every
+rank's batch with the mean loss.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from conftest import WORLD_SIZE
@@ -26,8 +29,8 @@ CONFIGS = sorted(PEFT_CONFIGS)
 pytestmark = pytest.mark.timeout(600)
 
 
-def _run(cases: list[tuple[str, str, bool]]) -> dict:
-    run = run_ranks(ROUTINE, {"cases": cases}, world_size=WORLD_SIZE, timeout_s=400)
+def _run(cases: list[tuple[str, str, bool]], **cfg: bool) -> list[dict]:
+    run = run_ranks(ROUTINE, {"cases": cases, **cfg}, world_size=WORLD_SIZE, timeout_s=400)
     run.raise_for_error()
     ranks = [r.extra["results"] for r in run.ranks]
     print(f"{cases}: {run.seconds:.1f}s")
@@ -53,6 +56,14 @@ def test_auto_trains_both_peft_models_with_exact_parity() -> None:
             assert result["max_abs_diff"] == 0.0, result
             assert not any(p == TABLE or p.startswith(TABLE + ".") for g in result["groups"] for p in g)
             assert result["trainable"] > 0 and len(result["losses"]) == 2
+
+
+def test_comparator_fails_on_nan() -> None:
+    """Negative control: one of the sharded model's gradients multiplied by NaN makes the figure NaN, not 0.0."""
+    for results in _run([("modules-to-save", "auto", False)], poison=True):
+        result = results["modules-to-save|auto|noguard"]
+        assert result["ok"], result.get("traceback")
+        assert math.isnan(result["max_abs_diff"]), result
 
 
 @pytest.mark.parametrize("config", CONFIGS)

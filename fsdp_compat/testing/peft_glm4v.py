@@ -32,41 +32,49 @@ def build_peft_glm4v(config: str, seed: int = 0) -> Any:
         return get_peft_model(model, LoraConfig(**PEFT_CONFIGS[config]))
 
 
-def _case(config: str, policy: str, guard: bool, mesh: Any, steps: int) -> dict[str, Any]:
+def _case(config: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rank r trains on its own batch (seed r); the twin runs every rank's batch with loss / W before each step (the
+    mean loss; exact for W <= 2, so the figure is 0.0). ``cfg["poison"]`` multiplies one gradient by NaN first."""
     import torch
+    import torch.distributed as dist
 
     from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.testing.read_corpus import full_tensor
+    from fsdp_compat.testing.read_corpus import full_tensor, loss_scale, worse
     from fsdp_compat.testing.zoo import make_batch
 
     os.environ["FSDP_COMPAT_GUARD"] = "on" if guard else "off"
+    world, rank = dist.get_world_size(), dist.get_rank()
     model, twin = build_peft_glm4v(config), build_peft_glm4v(config)
     plan = apply_fsdp2(model, {"mesh": mesh}, policy=policy)
     record: dict[str, Any] = {"groups": [list(g.paths) for g in plan.groups]}
-    batch = make_batch("glm4v")
+    batches = [make_batch("glm4v", seed=r) for r in range(world)]
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3)
     ref_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-3)
     ref = dict(twin.named_parameters())
     worst = 0.0
     losses = []
-    for _ in range(steps):
-        loss = model(**batch).loss
-        loss.backward()
-        twin(**batch).loss.backward()
+    scale = loss_scale(mesh)
+    for _ in range(cfg.get("steps", 2)):
+        loss = model(**batches[rank]).loss
+        (loss * scale if scale != 1.0 else loss).backward()
+        for batch in batches:
+            (twin(**batch).loss / world).backward()
+        if cfg.get("poison"):
+            next(p for p in trainable if p.grad is not None).grad.mul_(float("nan"))
         for name, p in model.named_parameters():
             got, want = (None if p.grad is None else full_tensor(p.grad)), ref[name].grad
             if got is None or want is None:  # unused by this forward (e.g. LoRA factors of a raw-read table)
-                worst = max(worst, 0.0 if got is None and want is None else float("inf"))
+                worst = worse(worst, 0.0 if got is None and want is None else float("inf"))
             else:
-                worst = max(worst, float((got - want).abs().max()))
+                worst = worse(worst, float((got - want).abs().max()))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                worst = max(worst, float((full_tensor(p) - ref[name]).abs().max()))
+                worst = worse(worst, float((full_tensor(p) - ref[name]).abs().max()))
         losses.append(float(loss.detach()))
     record.update(max_abs_diff=worst, losses=losses, trainable=len(trainable))
     return record
@@ -79,6 +87,4 @@ def peft_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from fsdp_compat.testing.read_corpus import run_cases
 
     torch.set_num_threads(1)
-    steps = cfg.get("steps", 2)
-    extra["results"] = run_cases(cfg, rank, lambda config, policy, guard, mesh: _case(config, policy, guard, mesh,
-                                                                                      steps))
+    extra["results"] = run_cases(cfg, rank, lambda config, policy, guard, mesh: _case(config, policy, guard, mesh, cfg))

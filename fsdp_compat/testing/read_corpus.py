@@ -11,8 +11,11 @@ hooks and closures would still point at the sharded model).
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import os
 import traceback
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PATTERNS", "corpus_rank", "full_tensor", "run_cases"]
+__all__ = ["PATTERNS", "corpus_rank", "full_tensor", "loss_scale", "run_cases", "worse"]
 
 VOCAB, DIM = 8, 4
 
@@ -78,6 +81,24 @@ class Walrus(Base):
 class DataAttr(Base):
     def forward(self, ids):
         return (self.body(ids) * self.emb.weight.data.abs().max()).sum()
+
+
+class AliasBeforeCall(Base):
+    def forward(self, ids):
+        w = self.emb.weight  # fetched before the embedding's call: still the sharded Parameter after it
+        return (self.block(self.emb(ids)) * w.mean()).sum()
+
+
+class TypeCast(Base):
+    def forward(self, ids):
+        h = self.body(ids)
+        return (h * self.emb.weight.type(h.dtype).mean()).sum()  # Tensor.type(dtype) reads the values
+
+
+class TypeCastWiden(Base):
+    def forward(self, ids):
+        h = self.body(ids)
+        return (h * self.emb.weight.type(torch.float64).mean().to(h.dtype)).sum()  # only .type sees the Parameter
 
 
 class FunctionalEmbedding(Base):
@@ -176,6 +197,180 @@ class ModuleDictKey(Base):
 
     def forward(self, ids):
         return (self.body(ids) + self.tables["pos"].weight[: ids.shape[-1]]).sum()
+
+
+# --- dynamic access Python resolves from constants (the analysis resolves it too: the layer keeps its group) ---
+
+_TABLE = "emb"  # a module-level constant
+_TABLES = ("emb",)
+
+
+class GetattrLocalName(Base):
+    def forward(self, ids):
+        name = "emb"
+        return (self.body(ids) * getattr(self, name).weight.mean()).sum()
+
+
+class GetattrModuleConstant(Base):
+    def forward(self, ids):
+        w = getattr(self, _TABLE).weight.sum()  # before the embedding's own call
+        return (self.body(ids) + w).sum()
+
+
+class GetattrConstantLoop(Base):
+    def forward(self, ids):
+        h = self.body(ids)
+        for name in _TABLES:
+            h = h + getattr(self, name).weight.mean()
+        return h.sum()
+
+
+class GetattrTwoConstants(Base):
+    def forward(self, ids):
+        name = "block"
+        if ids.numel() > 0:
+            name = f"em{'b'}"  # either constant may be the one: both are followed
+        return (self.body(ids) + getattr(self, name).weight.sum()).sum()
+
+
+class ParametersSubscript(Base):
+    def forward(self, ids):
+        return (self.body(ids) + self._modules["emb"]._parameters["weight"].sum()).sum()
+
+
+class DunderDict(Base):
+    def forward(self, ids):
+        w = self.__dict__["_modules"]["emb"].weight  # nn.Module keeps submodules in _modules, not __dict__
+        return (self.body(ids) * w.mean()).sum()
+
+
+class GetSubmodule(Base):
+    def forward(self, ids):
+        return (self.body(ids) + self.get_submodule("emb").weight.sum()).sum()
+
+
+class GetParameter(Base):
+    def forward(self, ids):
+        w = self.get_parameter("emb.weight")
+        return (self.block(self.emb(ids)) * w.mean()).sum()
+
+
+class AttrGetter(Base):
+    def forward(self, ids):
+        return (self.body(ids) + operator.attrgetter("emb.weight")(self).sum()).sum()
+
+
+class ModulesIsinstance(Base):
+    def forward(self, ids):
+        scale = 1.0
+        for m in self.modules():
+            if isinstance(m, nn.Embedding):
+                scale = m.weight.mean()  # before any module's own call
+        return (self.body(ids) * scale).sum()
+
+
+class NamedModulesName(Base):
+    def forward(self, ids):
+        extra = 0.0
+        for name, m in self.named_modules():
+            if name == "emb":
+                extra = m.weight.sum()  # before the embedding's own call
+        return (self.body(ids) + extra).sum()
+
+
+class NamedParametersContinue(Base):
+    def forward(self, ids):
+        h = self.body(ids)
+        for name, p in self.named_parameters():
+            if not name.startswith("emb."):
+                continue
+            h = h + p.mean()
+        return h.sum()
+
+
+class ComprehensionFilter(Base):
+    def forward(self, ids):
+        extra = sum(p.sum() for n, p in self.named_parameters() if n == "emb.weight")
+        return (self.body(ids) + extra).sum()
+
+
+def _ns_scale(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h * model.emb.weight.mean()
+
+
+_HELPERS = types.SimpleNamespace(scale=_ns_scale)
+
+
+class NamespaceHelper(Base):
+    def forward(self, ids):
+        return _HELPERS.scale(self, self.body(ids)).sum()
+
+
+class _Ops:
+    @staticmethod
+    def scale(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return h * model.emb.weight.mean()
+
+
+_OPS = _Ops()
+
+
+class StaticHelpers(Base):
+    def forward(self, ids):
+        return _OPS.scale(self, _Ops.scale(self, self.body(ids))).sum()
+
+
+# --- look-alikes the analysis must not resolve (a wrong resolution would shard the table that is read) --------
+
+
+class GetattrFromAttribute(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table_name = "emb"  # a name held in state, not a constant: stays an escape
+
+    def forward(self, ids):
+        return (self.body(ids) + getattr(self, self.table_name).weight.sum()).sum()
+
+
+class OverriddenGetSubmodule(Base):
+    def get_submodule(self, target: str) -> nn.Module:
+        return self.emb if target == "block" else super().get_submodule(target)  # not what the name says
+
+    def forward(self, ids):
+        return (self.body(ids) * self.get_submodule("block").weight.mean()).sum()
+
+
+class NarrowThenRebind(Base):
+    def forward(self, ids):
+        extra = 0.0
+        for m in self.modules():
+            if isinstance(m, Block):
+                m = self.emb  # the isinstance test no longer says anything about m
+                extra = m.weight.mean()
+        return (self.body(ids) + extra).sum()
+
+
+class NameTestRebound(Base):
+    def forward(self, ids):
+        extra = 0.0
+        for name, p in self.named_parameters():
+            if name == "block.lin.bias":
+                p = self.emb.weight  # the rebinding is the pattern
+                extra = p.sum()
+        return (self.body(ids) + extra).sum()
+
+
+class LateBindingClosure(Base):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tail = nn.Embedding(VOCAB, DIM)
+
+    def forward(self, ids):
+        extra = None
+        for m in self.children():
+            if isinstance(m, Block):
+                extra = lambda: m.weight.sum()  # noqa: E731, B023 - runs after the loop: m is the last child, tail
+        return (self.body(ids) + self.tail(ids) + extra()).sum()
 
 
 # --- handing the module or its weight to other code ----------------------------------------------------------
@@ -471,8 +666,27 @@ for _cls in [v for v in list(globals().values()) if isinstance(v, type) and issu
 # Rank routine
 
 
-def _ids() -> torch.Tensor:
-    return torch.tensor([[1, 2, 3], [4, 5, 6]])
+def _ids(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s batch: every rank trains on different token ids."""
+    return torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(100 + rank))
+
+
+def worse(worst: float, x: float) -> float:
+    """The running maximum of a comparator, NaN-sticky: ``max(worst, nan)`` keeps ``worst``, this returns nan."""
+    return worst if x <= worst or math.isnan(worst) else x
+
+
+_SCALES: dict[int, float] = {}
+
+
+def loss_scale(mesh: Any) -> float:
+    """1 / what FSDP2 does to gradients across ranks on this torch and backend (torch 2.8's FSDP2 over gloo sums
+    instead of averaging): the sharded model's loss is scaled by it so the mean-loss comparison holds everywhere."""
+    if id(mesh) not in _SCALES:
+        from fsdp_compat.testing.harness import gradient_reduction_factor
+
+        _SCALES[id(mesh)] = 1.0 / gradient_reduction_factor(mesh)
+    return _SCALES[id(mesh)]
 
 
 def full_tensor(t: Any) -> torch.Tensor | None:
@@ -483,10 +697,17 @@ def full_tensor(t: Any) -> torch.Tensor | None:
     return full() if callable(full) else t
 
 
-def _train(name: str, policy: str, guard: bool, mesh: Any, steps: int, perturb: bool) -> dict[str, Any]:
+def _train(name: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train ``name`` data-parallel (rank r on ``_ids(r)``) against an unsharded twin that, per step, runs every
+    rank's batch with loss / W (one backward each, gradients accumulate) and then steps: the mean loss. With W <= 2
+    the scaling by 1/W is exact and the sum commutative, so the figure asserted is exactly 0.0. ``cfg["poison"]``
+    multiplies one gradient by NaN before the comparison (the control that the comparator fails on NaN)."""
+    import torch.distributed as dist
+
     from fsdp_compat.apply import apply_fsdp2
 
     os.environ["FSDP_COMPAT_GUARD"] = "on" if guard else "off"
+    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = PATTERNS[name]()
     torch.manual_seed(0)
@@ -500,26 +721,31 @@ def _train(name: str, policy: str, guard: bool, mesh: Any, steps: int, perturb: 
     ref_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     ref_params = dict(twin.named_parameters())
     worst = 0.0
-    ids = _ids()
-    for _ in range(steps):
-        model(ids).backward()
-        ref_loss = twin(ids)
-        if perturb:
-            ref_loss = ref_loss * (1 + 1e-6)
-        ref_loss.backward()
+    batches = [_ids(r) for r in range(world)]
+    scale = loss_scale(mesh)
+    for _ in range(cfg.get("steps", 2)):
+        loss = model(batches[rank])
+        (loss * scale if scale != 1.0 else loss).backward()
+        for ids in batches:
+            ref_loss = twin(ids) / world
+            if cfg.get("perturb"):
+                ref_loss = ref_loss * (1 + 1e-6)
+            ref_loss.backward()
+        if cfg.get("poison"):
+            next(p for p in model.parameters() if p.grad is not None).grad.mul_(float("nan"))
         for pname, p in model.named_parameters():
             got, ref = full_tensor(p.grad), ref_params[pname].grad
             if got is None or ref is None:
-                worst = max(worst, 0.0 if got is None and ref is None else float("inf"))
+                worst = worse(worst, 0.0 if got is None and ref is None else float("inf"))
                 continue
-            worst = max(worst, float((got - ref).abs().max()))
+            worst = worse(worst, float((got - ref).abs().max()))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                worst = max(worst, float((full_tensor(p) - ref_params[pname]).abs().max()))
+                worst = worse(worst, float((full_tensor(p) - ref_params[pname]).abs().max()))
     record["max_abs_diff"] = worst
     return record
 
@@ -553,7 +779,5 @@ def run_cases(cfg: dict[str, Any], rank: int, case: Callable[[str, str, bool, An
 
 def corpus_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """Rank routine: train every (pattern, policy, guard) case of ``cfg["cases"]`` against its twin."""
-    steps, perturb = cfg.get("steps", 2), cfg.get("perturb", False)
-    extra["results"] = run_cases(
-        cfg, rank, lambda name, policy, guard, mesh: _train(name, policy, guard, mesh, steps, perturb)
-    )
+    torch.set_num_threads(1)  # the ranks share the cores
+    extra["results"] = run_cases(cfg, rank, lambda name, policy, guard, mesh: _train(name, policy, guard, mesh, cfg))
