@@ -16,6 +16,8 @@ import copy
 import os
 from typing import Any
 
+from fsdp_compat.testing.parity import _full
+
 __all__ = ["engine_rank"]
 
 
@@ -29,10 +31,6 @@ def _worst(worst: float, got: Any, ref: Any) -> float:
     ref = torch.zeros_like(got) if ref is None else ref.detach()
     value = float((got - ref).abs().max()) if got.numel() else 0.0
     return value if not (value <= worst) else worst
-
-
-def _full(t: Any) -> Any:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:

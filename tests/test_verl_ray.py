@@ -76,8 +76,7 @@ class Trainer:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         ref_params = dict(reference.named_parameters())
 
-        def full(t: Any) -> Any:
-            return t.full_tensor() if hasattr(t, "full_tensor") else t
+        from fsdp_compat.testing.parity import _full as full
 
         grad_diff = param_diff = 0.0
         losses = []

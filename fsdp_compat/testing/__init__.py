@@ -1,5 +1,5 @@
 """Test support: a zoo of tiny real transformers models, meta-device skeletons, and a distributed FSDP2
-harness.
+harness (rank processes in ``launch``, the parity loop in ``parity``, smoke tables in ``smoke``).
 
 Names resolve lazily, so importing this package costs nothing until one is used (then torch, and transformers
 for models, are imported).
@@ -18,12 +18,12 @@ _EXPORTS = {
     "build_skeleton": "skeleton",
     "reference_skeleton": "skeleton",
     "REFERENCE_NAMES": "skeleton",
-    "RankResult": "harness",
-    "RunResult": "harness",
-    "SmokeRow": "harness",
-    "WrapFn": "harness",
-    "format_smoke_table": "harness",
-    "run_training": "harness",
+    "RankResult": "launch",
+    "RunResult": "launch",
+    "SmokeRow": "smoke",
+    "format_smoke_table": "smoke",
+    "WrapFn": "parity",
+    "run_training": "parity",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_compat.testing.parity import _full as full_tensor  # a DTensor's full value (a collective)
+
 __all__ = ["PATTERNS", "corpus_rank", "full_tensor", "loss_scale", "run_cases", "worse"]
 
 VOCAB, DIM = 8, 4
@@ -687,14 +689,6 @@ def loss_scale(mesh: Any) -> float:
 
         _SCALES[id(mesh)] = 1.0 / gradient_reduction_factor(mesh)
     return _SCALES[id(mesh)]
-
-
-def full_tensor(t: Any) -> torch.Tensor | None:
-    """A DTensor's full value (a collective), else the tensor itself."""
-    if t is None:
-        return None
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t
 
 
 def _train(name: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
