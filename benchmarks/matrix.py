@@ -11,11 +11,11 @@ patched in), ``accelerate`` (accelerate 1.15's
 ``fsdp2_prepare_model`` grouping, with accelerate's own bottom-up walk and final-norm finder) and ``auto``.
 
 Runs are real: each rank builds every model of a chunk, trains an unsharded reference once (2 AdamW steps, fp32,
-the same batch on every rank) and then, per rule, a fresh copy sharded under that rule, comparing gradients and
-parameters after every step (exact = within 1e-6 relative). A chunk of models shares one pair of ranks. The
-static prediction (:func:`fsdp_compat.plan.unsafe_reads` on the rule's groups) is shown next to a cell only where
-it disagrees with the run. Cells: ``exact g/r`` (g groups besides the root, r % of the parameters left in the root),
-``crash: <op>``, ``diff <max rel>``.
+on every rank's micro-batch with the mean loss) and then, per rule, a fresh copy sharded under that rule on its own
+micro-batch, comparing gradients and parameters after every step (exact = within 1e-6 relative). A chunk of
+models shares one pair of ranks. The static prediction (:func:`fsdp_compat.plan.unsafe_reads` on the rule's groups)
+is shown next to a cell only where it disagrees with the run. Cells: ``exact g/r`` (g groups besides the root,
+r % of the parameters left in the root), ``crash: <op>``, ``diff <max rel>``.
 """
 
 from __future__ import annotations
@@ -200,17 +200,17 @@ ARCHS: dict[str, tuple[str, Callable[[], Any]]] = {
 }
 
 
-def make_batch(name: str, kind: str) -> dict[str, Any]:
+def make_batch(name: str, kind: str, seed: int = 0) -> dict[str, Any]:
     """Inputs with labels for ``ARCHS[name]``: the zoo's batches where the zoo has the model, else text rows; a
-    function of the name only, so every rank trains on the same batch."""
+    function of the name and ``seed`` (each rank trains its own micro-batch: seed = rank)."""
     import torch
 
     from fsdp_compat.testing.zoo import ZOO
     from fsdp_compat.testing.zoo import make_batch as zoo_batch
 
     if name in ZOO:
-        return zoo_batch(name)
-    g = torch.Generator().manual_seed(12345)
+        return zoo_batch(name, seed=seed)
+    g = torch.Generator().manual_seed(12345 + seed)
     if name == "whisper":
         labels = torch.randint(3, 128, (2, 6), generator=g)
         return {"input_features": torch.randn(2, 8, 32, generator=g), "labels": labels}
@@ -380,14 +380,17 @@ def predict(model: Any, groups: Groups, evidence: Any) -> str:
 # Rank side
 
 
-def _trace(model: Any, batch: dict[str, Any], steps: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """The unsharded reference: gradients and parameters after each AdamW step."""
+def _trace(model: Any, batches: list[dict[str, Any]], steps: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The unsharded reference, one process on every rank's micro-batch with the mean loss: gradients and
+    parameters after each AdamW step."""
     import torch
+
+    from fsdp_compat.testing.parity import reference_backward
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = []
     for _ in range(steps):
-        model(**batch).loss.backward()
+        reference_backward(model, batches)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -458,8 +461,9 @@ def matrix_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     for name in cfg["models"]:
         t0 = time.perf_counter()
         base = build(name)
-        batch = make_batch(name, ARCHS[name][0])
-        reference = _trace(copy.deepcopy(base), batch, cfg["steps"])
+        batches = [make_batch(name, ARCHS[name][0], seed=r) for r in range(world)]
+        batch = batches[rank]
+        reference = _trace(copy.deepcopy(base), batches, cfg["steps"])
         evidence = find_raw_reads(base).events
         native_reference = None
         directory = Path(cfg["workdir"]) / name
@@ -467,7 +471,7 @@ def matrix_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
             if rank == 0:
                 base.save_pretrained(directory)
             torch.distributed.barrier()
-            native_reference = _trace(load_native(base, directory, world, None), batch, cfg["steps"])
+            native_reference = _trace(load_native(base, directory, world, None), batches, cfg["steps"])
         for rule in cfg["rules"]:
             cell: dict[str, Any] = {}
             model = copy.deepcopy(base)
