@@ -47,7 +47,8 @@ from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.tree import ModuleTree
 
 __all__ = [
-    "ENV_AGREE_S", "ENV_GUARD", "Guard", "GuardEvent", "GuardReadMismatch", "guard_enabled", "guard_of", "install_guard"
+    "ENV_AGREE_S", "ENV_GUARD", "MIN_TORCH", "Guard", "GuardEvent", "GuardReadMismatch", "guard_enabled", "guard_of",
+    "install_guard", "torch_supported",
 ]
 
 ENV_GUARD = "FSDP_COMPAT_GUARD"
@@ -91,13 +92,41 @@ def guard_enabled() -> bool:
     return os.environ.get(ENV_GUARD, "on").strip().lower() not in _OFF
 
 
+#: The oldest torch whose FSDP2 internals behave as the guard assumes (``tests/test_guard_contract.py`` passes there).
+#: On torch 2.8, 2.10 and 2.11 the contract fails (an instance override of the root's post-backward callback is not
+#: what FSDP2 runs once per backward) and guarded training gave wrong gradients or crashed in backward, so on an
+#: older torch the guard stands aside: FSDP2 runs as without it, the static plan still applies.
+MIN_TORCH = (2, 13)
+_warned_torch: list[bool] = []
+
+
+def torch_supported(version: str | None = None) -> bool:
+    """Whether the guard runs on this torch (``version`` defaults to the installed one)."""
+    release = (version or torch.__version__).split("+")[0].split(".")
+    try:
+        return (int(release[0]), int(release[1])) >= MIN_TORCH
+    except (IndexError, ValueError):
+        return False
+
+
 def install_guard(model: nn.Module) -> Guard | None:
-    """Guard ``model`` (the root that is, or will be, ``fully_shard``-ed); returns None when the guard is off.
+    """Guard ``model`` (the root that is, or will be, ``fully_shard``-ed); returns None when the guard is off, or on a
+    torch older than :data:`MIN_TORCH` (one warning per process).
 
     Idempotent: a second call returns the same guard. It may run before ``fully_shard`` (a framework selector that
     shards afterwards): the FSDP2 groups are found at the first forward.
     """
     if not guard_enabled():
+        return None
+    if not torch_supported():
+        if not _warned_torch:
+            _warned_torch.append(True)
+            logger.warning(
+                "fsdp-compat: run-time guard off: it supports torch >= %d.%d (its FSDP2 contract test fails on torch "
+                "%s); FSDP2 runs as without the guard, fsdp-compat's static plan still applies",
+                *MIN_TORCH,
+                torch.__version__,
+            )
         return None
     existing = _GUARDS.get(model)
     if existing is not None and existing.installed:

@@ -240,6 +240,11 @@ if DEVICE == "cpu" and not torch.cuda.is_available():
     def test_real_fsdp_strategy_needs_cuda(saved: dict[str, str]) -> None:
         """The blockers a CPU user meets in SkyRL's own strategy, in order, with fsdp-compat active."""
         result = _run("real_strategy", {"path": saved[MODEL], "model": MODEL, "seed": 0, "device": "cpu"}, world_size=1)
+        if torch.version.cuda is not None:  # a CUDA build without a GPU (the torch 2.8 env): the mesh itself fails
+            error = result.error or ""
+            assert not result.ok and "ZeroDivisionError: integer modulo by zero" in (result.exception or ""), error
+            assert 'init_device_mesh("cuda"' in error, error
+            return
         result.raise_for_error()
         seen = result.ranks[0].extra
         assert seen["patched"] is True and seen["mesh_device_type"] == "cuda", seen
@@ -306,7 +311,8 @@ def test_ray_actors_crash_unpatched_then_train_patched(monkeypatch: pytest.Monke
     finally:
         ray.shutdown()
     for r in outcomes["off"]:
-        assert not r["ok"] and GRID_SAMPLER_CRASH in r["error"], r.get("error")
+        # torch 2.8 (skyrl-train 0.3.1's pin) words it "aten.op.default: got mixed" (with a colon)
+        assert not r["ok"] and GRID_SAMPLER_CRASH in r["error"].replace(".default: got mixed", ".default got mixed"), r
         assert r["extra"]["strategy_apply_fsdp2_patched_on_import"] is False
     errors = [r["error"] for r in outcomes["patched"] if not r["ok"]]
     assert not errors, "\n".join(errors)
