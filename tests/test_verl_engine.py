@@ -395,11 +395,18 @@ def test_glm4v_forward_unrepaired_when_off() -> None:
 
 
 @has_glm4v_forward
+@pytest.mark.skipif(
+    not TRANSFORMERS_5, reason="transformers 4: verl's GLM4V forward needs no repair (and cannot run, see above)"
+)
 @pytest.mark.parametrize(
     "path",
     [
         pytest.param({}, id="pth-hook"),
-        pytest.param({"FSDP_COMPAT_AUTOLOAD": "0", "VERL_USE_EXTERNAL_PLUGINS": "auto"}, id="verl.plugins"),
+        pytest.param(
+            {"FSDP_COMPAT_AUTOLOAD": "0", "VERL_USE_EXTERNAL_PLUGINS": "auto"},
+            id="verl.plugins",
+            marks=pytest.mark.skipif(not ENGINE_ON_CPU, reason=f"verl {VERL} has no verl.plugins entry points (0.9+)"),
+        ),
     ],
 )
 def test_glm4v_forward_first_order_is_repaired(path: dict[str, str]) -> None:
@@ -407,10 +414,6 @@ def test_glm4v_forward_first_order_is_repaired(path: dict[str, str]) -> None:
     imported ``verl.utils.fsdp_utils``. Importing verl's glm4v module activates the adapter (a registry trigger),
     through the .pth hook or verl's plugin entry point alike; transformers' logits bit for bit. FSDP_COMPAT=off:
     verl's own function fails (asserted), so the order is the one that used to fail."""
-    if not TRANSFORMERS_5:
-        pytest.skip("transformers 4: verl's GLM4V forward needs no repair (and cannot run, see above)")
-    if path and not ENGINE_ON_CPU:
-        pytest.skip(f"verl {VERL} has no verl.plugins entry points (0.9.0+)")
     out = _probe({"FSDP_COMPAT": "", **path}, "forward_first_probe")
     assert not out["utils_loaded_first"], out
     assert out["state"]["patched"] and out["state"]["glm4v_repaired"], out["state"]
