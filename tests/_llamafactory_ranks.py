@@ -16,7 +16,7 @@ import copy
 import os
 from typing import Any
 
-from fsdp_compat.testing.parity import _full
+from fsdp_compat.testing.parity import _full, reference_backward
 
 __all__ = ["engine_rank"]
 
@@ -69,8 +69,7 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     grads = params = 0.0
     for _ in range(cfg["steps"]):
         model(**batches[rank]).loss.backward()
-        for batch in batches:
-            (reference(**batch).loss / world).backward()
+        reference_backward(reference, batches)  # one process on every rank's batch, mean loss
         named = list(model.named_parameters())
         with torch.no_grad():
             for name, p in named:
