@@ -1,1 +1,91 @@
-"""Framework adapters: each file declares the versions it supports and the names it replaces."""
+"""Framework adapters, and their index: the little the start-up hook and ``fsdp-compat doctor`` must know.
+
+Each adapter module (``verl.py``, ``skyrl.py``, ``areal.py``, ``llamafactory.py``, ``transformers.py``) reads as its
+release table: for these versions, in these modules, this name becomes that function, and these repairs run.
+Importing an adapter module activates it (that is how ``external_lib=fsdp_compat.adapters.verl`` works), so what
+must be known *before* that import lives here, in :data:`ADAPTERS`: per distribution the module whose import
+activates the adapter (the trigger) and the versions it supports. The ``.pth`` hook watches the triggers in every
+Python process, and ``fsdp-compat doctor`` shows the ranges without activating anything; the release tables split
+these ranges into rows (``tests/activation`` checks that every supported version has a row).
+
+This module imports nothing: the ``.pth`` imports it at interpreter start. Adding an adapter is one row here plus
+its module (docs/development.md)::
+
+    "myframework": AdapterEntry(
+        "fsdp_compat.adapters.myframework",  # the adapter module (adapters/myframework.py)
+        {"myframework": ("myframework.distributed.fsdp", ">=1.2,<1.4")},  # distribution: (trigger, supported)
+    ),
+"""
+
+from __future__ import annotations
+
+__all__ = ["ADAPTERS", "AdapterEntry", "trigger"]
+
+
+class AdapterEntry:
+    """One adapter: its module and, per distribution, ``(trigger module, supported versions as PEP 440)``.
+
+    ``repaired``: module -> distribution, modules a deferred repair of that distribution replaces names in; their
+    import activates the distribution too, so a repair is in place whatever the user imported first.
+    """
+
+    __slots__ = ("distributions", "module", "repaired")
+
+    def __init__(
+        self, module: str, distributions: dict[str, tuple[str, str]], repaired: dict[str, str] | None = None
+    ) -> None:
+        self.module = module
+        self.distributions = distributions
+        self.repaired = repaired or {}
+
+    @property
+    def triggers(self) -> dict[str, str]:
+        """trigger module -> distribution."""
+        return {trigger: dist for dist, (trigger, _) in self.distributions.items()}
+
+    @property
+    def activating(self) -> dict[str, str]:
+        """Every module whose import activates a distribution (the triggers, then the repaired modules)."""
+        return {**self.triggers, **self.repaired}
+
+    @property
+    def supported(self) -> dict[str, str]:
+        """distribution -> supported versions."""
+        return {dist: spec for dist, (_, spec) in self.distributions.items()}
+
+    def __repr__(self) -> str:
+        return f"AdapterEntry({self.module!r}, {self.distributions!r})"
+
+
+#: adapter key -> entry. verl: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
+#: SkyRL: skyrl-train is superseded by skyrl (both can be installed side by side); skyrl 0.0.1 is a placeholder.
+ADAPTERS: dict[str, AdapterEntry] = {
+    "verl": AdapterEntry(
+        "fsdp_compat.adapters.verl",
+        {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")},
+        {"verl.models.transformers.glm4v": "verl"},  # the GLM4V forward repair of verl's table (deferred)
+    ),
+    "skyrl": AdapterEntry(
+        "fsdp_compat.adapters.skyrl",
+        {
+            "skyrl-train": ("skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.4"),
+            "skyrl": ("skyrl.backends.skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.5"),
+        },
+    ),
+    "transformers": AdapterEntry(
+        "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.25")}
+    ),
+    "areal": AdapterEntry("fsdp_compat.adapters.areal", {"areal": ("areal.engine.fsdp_utils", ">=1.0.4,<1.1")}),
+    "llamafactory": AdapterEntry(
+        "fsdp_compat.adapters.llamafactory",
+        {"llamafactory": ("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2", ">=0.9.5,<0.10")},
+    ),
+}
+
+
+def trigger(distribution: str) -> str:
+    """The trigger module of ``distribution`` (an adapter names the module it patches through this, not again)."""
+    for entry in ADAPTERS.values():
+        if distribution in entry.distributions:
+            return entry.distributions[distribution][0]
+    raise KeyError(distribution)

@@ -21,6 +21,9 @@ from fsdp_compat.safety import unsafe_targets  # the one safety checker; adapter
 
 __all__ = [
     "bottom_up",
+    "configured_wrap_list",
+    "keep_safe",
+    "layer_class_names",
     "outdated_fallback",
     "unmatched",
     "unsafe_targets",
@@ -30,6 +33,59 @@ __all__ = [
 
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
 _lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------------------- the configured list
+
+
+def layer_class_names(value: Any) -> list[str] | None:
+    """A wrap list as class names, whatever the framework passes: a str (one class), a list, tuple, ListConfig or
+    the *set* ``_no_split_modules`` of transformers 5, classes or names. None or empty: None (= not configured)."""
+    if value is None or (isinstance(value, str) and not value):
+        return None
+    if isinstance(value, str):
+        return [value]
+    names = [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
+    return names or None
+
+
+def _field(holder: Any, name: str) -> Any:
+    """``holder[name]`` for a dict or DictConfig (``.get``), else the attribute (a dataclass); None if absent."""
+    if holder is None:
+        return None
+    get = getattr(holder, "get", None)
+    return get(name, None) if callable(get) else getattr(holder, name, None)
+
+
+def configured_wrap_list(config: Any) -> Any:
+    """``config.wrap_policy.transformer_layer_cls_to_wrap`` as every framework spells its config (a dict, a
+    DictConfig, a dataclass, at both levels), or None: the frameworks fall back to ``model._no_split_modules``."""
+    return _field(_field(config, "wrap_policy"), "transformer_layer_cls_to_wrap")
+
+
+# ------------------------------------------------------------------------------------- the selection made safe
+
+
+def keep_safe(framework: str, model: Any, targets: list[Any], also_unsafe: dict[int, str] | None = None) -> list[Any]:
+    """The framework's own ``targets`` minus what static analysis shows would be read while sharded (and the
+    framework-specific ``also_unsafe``: module id -> why), children first. One INFO line names what stays in the
+    root group and why; a text model's selection comes back unchanged."""
+    why = unsafe_targets(model, targets)
+    why.update(also_unsafe or {})
+    kept = bottom_up(model, [m for m in targets if id(m) not in why])
+    paths = {id(m): p for p, m in model.named_modules()}
+    dropped = [f"{paths.get(id(m), '?')} ({why[id(m)]})" for m in targets if id(m) in why]
+    if dropped:
+        logger.info(
+            "%s: %s keeps %d of %s's %d FSDP2 groups; in the root group instead: %s",
+            framework,
+            type(model).__name__,
+            len(kept),
+            framework,
+            len(targets),
+            "; ".join(dropped),
+        )
+    return kept
 
 
 def unmatched(model: Any, names: Iterable[str] | None) -> list[str] | None:

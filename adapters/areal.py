@@ -24,12 +24,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import, logger
+from fsdp_compat.activation import Release, Replacement, declare
+
+from . import trigger
+from ._selection import configured_wrap_list, layer_class_names
 
 __all__ = [
     "ADAPTER",
     "RELEASES",
-    "ArealAdapter",
     "configured_layer_classes",
     "is_patched",
     "make_apply_fsdp2",
@@ -37,23 +39,15 @@ __all__ = [
     "unpatch",
 ]
 
-UTILS = "areal.engine.fsdp_utils"
+UTILS = trigger("areal")
 PARALLEL = "areal.engine.fsdp_utils.parallel"  # ``from areal.engine.fsdp_utils import apply_fsdp2``
 
 
 def configured_layer_classes(model: Any, wrap_policy: Any) -> list[str]:
     """What AReaL computes: ``wrap_policy.transformer_layer_cls_to_wrap`` when set and non-empty, else
     ``model._no_split_modules`` (a str, list or, in transformers 5, a set)."""
-
-    def names(value: Any) -> list[str]:
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [value]
-        return [v if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
-
-    configured = names(getattr(wrap_policy, "transformer_layer_cls_to_wrap", None) if wrap_policy else None)
-    return configured or names(getattr(model, "_no_split_modules", None))
+    configured = layer_class_names(configured_wrap_list({"wrap_policy": wrap_policy}))
+    return configured or layer_class_names(getattr(model, "_no_split_modules", None)) or []
 
 
 def areal_selection(model: Any, layer_classes: list[str]) -> list[Any]:
@@ -76,7 +70,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
-        from ._selection import bottom_up, outdated_fallback, unmatched, unsafe_targets
+        from ._selection import keep_safe, outdated_fallback, unmatched
 
         if not resolve_policy(policy).analyzed:  # legacy & co: AReaL's rule as it is
             return original(model, fsdp_kwargs, wrap_policy)
@@ -87,13 +81,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         if outdated is not None:
             targets = outdated_fallback("areal", model, outdated, True)
         else:
-            targets = areal_selection(model, names)
-            unsafe = unsafe_targets(model, targets)
-            paths = {id(m): p for p, m in model.named_modules()}
-            for module in targets:
-                if id(module) in unsafe:
-                    logger.info("AReaL apply_fsdp2: %s stays in the root: %s", paths[id(module)], unsafe[id(module)])
-            targets = bottom_up(model, [m for m in targets if id(m) not in unsafe])
+            targets = keep_safe("AReaL", model, areal_selection(model, names))
         for module in targets:
             utils.fully_shard(module, **kwargs)
         with utils.maybe_patch_fsdp_module(model):
@@ -110,13 +98,5 @@ RELEASES: tuple[Release, ...] = (
 )
 
 
-class ArealAdapter(Adapter):
-    """AReaL 1.0.4 - 1.0.x: ``areal.engine.fsdp_utils.apply_fsdp2`` (rebound in ``parallel``)."""
-
-    key = "areal"
-    releases = RELEASES
-
-
-ADAPTER = ArealAdapter()
+ADAPTER = declare("areal", RELEASES)
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
-activate_on_import(ADAPTER)

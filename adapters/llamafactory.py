@@ -26,12 +26,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import, logger
+from fsdp_compat.activation import Release, Replacement, declare
+
+from . import trigger
 
 __all__ = [
     "ADAPTER",
     "RELEASES",
-    "LlamaFactoryAdapter",
     "is_patched",
     "llamafactory_selection",
     "make_prepare_model",
@@ -39,7 +40,7 @@ __all__ = [
     "unpatch",
 ]
 
-FSDP2 = "llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2"
+FSDP2 = trigger("llamafactory")
 
 
 def llamafactory_selection(fsdp2: Any, engine: Any, model: Any) -> list[Any]:
@@ -84,7 +85,7 @@ def make_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..
         from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
-        from ._selection import bottom_up, unsafe_targets
+        from ._selection import keep_safe
 
         if not resolve_policy(policy).analyzed or getattr(self, "fsdp_mesh", None) is None:
             return original(self, model)  # legacy & co; no mesh: the engine warns and wraps nothing
@@ -97,13 +98,7 @@ def make_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..
             "offload_policy": offload,
         }
         targets = llamafactory_selection(fsdp2, self, model)
-        unsafe = unsafe_targets(model, targets)
-        paths = {id(m): p for p, m in model.named_modules()}
-        for module in targets:
-            if id(module) in unsafe:
-                why = unsafe[id(module)]
-                logger.info("LLaMA-Factory prepare_model: %s stays in the root: %s", paths[id(module)], why)
-        for module in bottom_up(model, [m for m in targets if id(m) not in unsafe]):
+        for module in keep_safe("LLaMA-Factory", model, targets):
             fsdp2.fully_shard(module, **kwargs)
         _input_grads(model)
         fsdp2.fully_shard(model, **kwargs)  # the root last; FSDP2 keeps it unsharded through the forward
@@ -114,19 +109,10 @@ def make_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..
     return prepare_model
 
 
+#: 0.9.4 and older have no v1 FSDP2 engine.
 RELEASES: tuple[Release, ...] = (
     Release(">=0.9.5", (Replacement(FSDP2, "FSDP2Engine.prepare_model", make_prepare_model),)),
 )
 
-
-class LlamaFactoryAdapter(Adapter):
-    """LLaMA-Factory 0.9.5 - 0.9.x: the class attribute ``FSDP2Engine.prepare_model`` (0.9.4 and older have no
-    v1 FSDP2 engine)."""
-
-    key = "llamafactory"
-    releases = RELEASES
-
-
-ADAPTER = LlamaFactoryAdapter()
+ADAPTER = declare("llamafactory", RELEASES)
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
-activate_on_import(ADAPTER)

@@ -26,15 +26,17 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_compat._autoload import ADAPTERS
-from fsdp_compat.activation import Adapter, Reexport, Release, Replacement, activate_on_import, logger
+from fsdp_compat.activation import Reexport, Release, Replacement, declare, logger
+
+from . import trigger
+from ._selection import configured_wrap_list, layer_class_names
 
 __all__ = [
     "ADAPTER",
     "PACKAGES",
     "RELEASES",
     "SUPPORTED",
-    "SkyRLAdapter",
+    "configured_layer_classes",
     "is_patched",
     "make_apply_fsdp2",
     "make_modules_to_wrap_fsdp2",
@@ -42,13 +44,8 @@ __all__ = [
     "unpatch",
 ]
 
-#: distribution -> supported releases (from the registry row in fsdp_compat._autoload).
-SUPPORTED: dict[str, str] = ADAPTERS["skyrl"].supported
-
 #: distribution -> the package holding ``fsdp_utils`` (the trigger) and its by-name importer ``fsdp_strategy``.
-PACKAGES: dict[str, str] = {
-    dist: trigger.rpartition(".")[0] for dist, (trigger, _) in ADAPTERS["skyrl"].distributions.items()
-}
+PACKAGES: dict[str, str] = {dist: trigger(dist).rpartition(".")[0] for dist in ("skyrl-train", "skyrl")}
 
 UPSTREAM_SELECTOR = "modules_to_wrap_fsdp2"
 
@@ -56,28 +53,14 @@ UPSTREAM_SELECTOR = "modules_to_wrap_fsdp2"
 # ---------------------------------------------------------------------------------------------- replacements
 
 
-def configured_layer_classes(config: Any) -> Any:
+def configured_layer_classes(config: Any) -> list[str] | None:
     """``config.wrap_policy.transformer_layer_cls_to_wrap`` when set, else None (the model's layer classes).
 
     Accepts what each release passes: skyrl-train's ``config.get("wrap_policy", {})`` on a DictConfig and
     skyrl's ``getattr(config, "wrap_policy", {})`` on its ``FSDPConfig`` dataclass or a DictConfig. An unset,
     None or empty override means "use ``model._no_split_modules``" (upstream crashed on None or empty).
     """
-    if config is None:
-        return None
-    getter = getattr(config, "get", None)
-    wrap_policy = getter("wrap_policy", None) if callable(getter) else getattr(config, "wrap_policy", None)
-    if not wrap_policy:
-        return None
-    inner = getattr(wrap_policy, "get", None)
-    names = (
-        inner("transformer_layer_cls_to_wrap", None)
-        if callable(inner)
-        else getattr(wrap_policy, "transformer_layer_cls_to_wrap", None)
-    )
-    if not names:
-        return None
-    return [names] if isinstance(names, str) else list(names)  # ListConfig, tuple, set -> list
+    return layer_class_names(configured_wrap_list(config))
 
 
 def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
@@ -120,7 +103,7 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
 
         from ._selection import outdated_fallback, unmatched
 
-        names = [cls_names] if isinstance(cls_names, str) else (list(cls_names) if cls_names else None)
+        names = layer_class_names(cls_names)
         outdated = unmatched(model, names)
         if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
             targets = outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed)
@@ -163,16 +146,6 @@ RELEASES: tuple[Release, ...] = (
 )
 
 
-# --------------------------------------------------------------------------------------------------- adapter
-
-
-class SkyRLAdapter(Adapter):
-    """skyrl-train 0.1.0-0.3.x and skyrl 0.1.0-0.4.x, each patched on its own (both may be installed)."""
-
-    key = "skyrl"
-    releases = RELEASES
-
-
-ADAPTER = SkyRLAdapter()
+ADAPTER = declare("skyrl", RELEASES)
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
-activate_on_import(ADAPTER)
+SUPPORTED: dict[str, str] = ADAPTER.supported  #: distribution -> supported versions (the index row's)

@@ -37,8 +37,10 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import
+from fsdp_compat.activation import Release, Replacement, declare
 from fsdp_compat.repair import Change, ForeignGroup, repair_groups
+
+from . import trigger
 
 __all__ = [
     "ADAPTER",
@@ -46,7 +48,6 @@ __all__ = [
     "FSDP_MODULE",
     "KEEP",
     "RELEASES",
-    "TransformersAdapter",
     "fix_fsdp_plan",
     "is_patched",
     "make_apply_fully_sharded_data_parallelism",
@@ -56,7 +57,7 @@ __all__ = [
     "unpatch",
 ]
 
-FSDP_MODULE = "transformers.distributed.fsdp"
+FSDP_MODULE = trigger("transformers")
 MIXIN_MODULE = "transformers.distributed.mixin"  # binds apply_fully_sharded_data_parallelism by name
 FREE, KEEP = "free_full_weight", "keep_full_weight"
 
@@ -196,13 +197,5 @@ RELEASES: tuple[Release, ...] = (
 )
 
 
-class TransformersAdapter(Adapter):
-    """transformers 5.16.1 - 5.24.x: the plan of ``from_pretrained(..., distributed_config=...)`` made safe."""
-
-    key = "transformers"
-    releases = RELEASES
-
-
-ADAPTER = TransformersAdapter()
+ADAPTER = declare("transformers", RELEASES)
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
-activate_on_import(ADAPTER)

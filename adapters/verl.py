@@ -39,9 +39,10 @@ from typing import Any
 
 from packaging.version import Version
 
-from fsdp_compat._autoload import ADAPTERS
-from fsdp_compat.activation import Adapter, Release, Replacement, activate_on_import, logger
+from fsdp_compat.activation import Release, Replacement, declare, logger
 
+from . import trigger
+from ._selection import configured_wrap_list, layer_class_names
 from .verl_glm4v import REPAIRS as GLM4V_FORWARD
 
 __all__ = [
@@ -49,7 +50,7 @@ __all__ = [
     "RELEASES",
     "SUPPORTED",
     "Release",
-    "VerlAdapter",
+    "configured_layer_classes",
     "is_patched",
     "make_apply_fsdp2",
     "make_select_fsdp2_wrap_targets",
@@ -57,50 +58,31 @@ __all__ = [
     "unpatch",
 ]
 
-#: the trigger module (the registry row is its one home); every release defines the FSDP2 selection here
-UTILS = ADAPTERS["verl"].distributions["verl"][0]
+#: the trigger module (its one home is the index row); every release defines the FSDP2 selection here
+UTILS = trigger("verl")
 _WORKERS = "verl.workers.fsdp_workers"
 _SFT = "verl.trainer.fsdp_sft_trainer"
 _ENGINE_05 = "verl.workers.engine.fsdp.engine_impl"
 _ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 
-#: distribution -> supported versions (from the registry row in fsdp_compat._autoload)
-SUPPORTED: dict[str, str] = ADAPTERS["verl"].supported
 
 
 # ------------------------------------------------------------------------------------------------ replacements
 
 
-def _layer_names(names: Any) -> list[str] | None:
-    """verl's wrap list as a list: a str becomes [str], a set (transformers 5 ``_no_split_modules``) a list."""
-    if names is None:
-        return None
-    if isinstance(names, str):
-        return [names]
-    return [n if isinstance(n, str) else getattr(n, "__name__", str(n)) for n in names]
-
-
 def configured_layer_classes(model: Any, config: Any) -> list[str]:
     """What verl 0.4-0.7.0 computed: ``config.get("wrap_policy", {}).get("transformer_layer_cls_to_wrap",
     model._no_split_modules)``, with the set-valued ``_no_split_modules`` of transformers 5 accepted."""
-    default = getattr(model, "_no_split_modules", None)
-    getter = getattr(config, "get", None)
-    wrap_policy = getter("wrap_policy", None) if callable(getter) else getattr(config, "wrap_policy", None)
-    inner = getattr(wrap_policy, "get", None)
-    if wrap_policy is None:
-        names = default
-    elif callable(inner):
-        names = inner("transformer_layer_cls_to_wrap", default)
-    else:
-        names = getattr(wrap_policy, "transformer_layer_cls_to_wrap", default)
-    found = _layer_names(names)
-    if not found or found[0] is None:
+    found = layer_class_names(configured_wrap_list(config)) or layer_class_names(
+        getattr(model, "_no_split_modules", None)
+    )
+    if not found:
         from fsdp_compat.errors import FsdpCompatError
 
         raise FsdpCompatError(
             f"verl apply_fsdp2: no layer classes to wrap for {type(model).__name__} (its _no_split_modules is "
-            f"{default!r}); set fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to the decoder layer class "
-            "names."
+            f"{getattr(model, '_no_split_modules', None)!r}); set "
+            "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap to the decoder layer class names."
         )
     return found
 
@@ -202,9 +184,9 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
         from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
-        from ._selection import bottom_up, unmatched, unsafe_targets, warn_unmatched
+        from ._selection import keep_safe, unmatched, warn_unmatched
 
-        names = _layer_names(fsdp_transformer_layer_cls_to_wrap)
+        names = layer_class_names(fsdp_transformer_layer_cls_to_wrap)
         outdated = unmatched(model, names)
         if not resolve_policy(policy).analyzed:  # legacy & co reproduce an upstream rule as it is
             if outdated is None:
@@ -217,22 +199,13 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
             install_runtime(model)  # before verl's own fully_shard calls: it finds the groups at the first forward
             return chosen
         targets = list(original(model, names, *args, **_accepted(original, kwargs)))  # the release's own candidates
-        why = unsafe_targets(model, targets)
+        raw_head = {}
         if _reads_lm_head_raw(model, kwargs.get("use_fused_kernels", False)):
-            why.update({id(m): "its weight is read raw by verl's fused kernels" for m in _output_heads(model)})
-        kept = bottom_up(model, [m for m in targets if id(m) not in why])
-        paths = {id(m): p for p, m in model.named_modules()}
+            raw_head = {id(m): "its weight is read raw by verl's fused kernels" for m in _output_heads(model)}
+        kept = keep_safe("verl", model, targets, raw_head)
         if outdated is not None:
+            paths = {id(m): p for p, m in model.named_modules()}
             warn_unmatched("verl", model, outdated, [paths.get(id(m), "?") for m in kept])
-        dropped = [f"{paths.get(id(m), '?')} ({why[id(m)]})" for m in targets if id(m) in why]
-        if dropped:
-            logger.info(
-                "verl: %s keeps %d of verl's %d FSDP2 groups; in the root group instead: %s",
-                type(model).__name__,
-                len(kept),
-                len(targets),
-                "; ".join(dropped),
-            )
         # after the analysis (which reads the model's own forwards), before verl's own fully_shard calls
         install_runtime(model)
         return kept
@@ -252,7 +225,7 @@ RELEASES: tuple[Release, ...] = (
     Release(">=0.4.0,<0.5.0", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT))),
     Release(">=0.5.0,<0.6.0", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE_05))),
     Release(">=0.6.0,<0.7.1", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE))),
-    # + verl's GLM4V forward on transformers 5 (fsdp_compat.adapters.verl_glm4v; empty on transformers 4)
+    # + verl's GLM4V forward on transformers 5 (fsdp_compat.adapters.verl_glm4v; left out on transformers 4)
     Release(">=0.7.1", _selection("_select_fsdp2_wrap_targets", make_select_fsdp2_wrap_targets) + GLM4V_FORWARD),
 )
 
@@ -260,16 +233,6 @@ RELEASES: tuple[Release, ...] = (
 def release_for(version: Version) -> Release | None:
     """The table row for ``version`` (None below 0.4.0: no FSDP2)."""
     return next((row for row in RELEASES if row.matches("verl", version)), None)
-
-
-# ----------------------------------------------------------------------------------------------------- adapter
-
-
-class VerlAdapter(Adapter):
-    """verl 0.4.0 - 0.9.1 and main: the FSDP2 selection in ``verl.utils.fsdp_utils`` (see the module table)."""
-
-    key = "verl"
-    releases = RELEASES
 
 
 def _loading_path() -> str:
@@ -292,6 +255,6 @@ def _loading_path() -> str:
     return "external_lib" if seen_import_external_libs else "import"
 
 
-ADAPTER = VerlAdapter()
+ADAPTER = declare("verl", RELEASES, source=_loading_path)
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
-activate_on_import(ADAPTER, _loading_path())
+SUPPORTED: dict[str, str] = ADAPTER.supported  #: distribution -> supported versions (the index row's)

@@ -11,9 +11,10 @@ transformers >= 5.5.3, so GLM4V with images cannot train there at all; verl 0.8.
 The smallest fix: wrap ``_get_input_embeds`` (verl looks it up in its module at call time) so that, during that
 call only, ``model.visual``'s output is its ``pooler_output`` (the tensor transformers 4.57 returned). A forward
 hook on the tower does it, so the tower still runs through its own ``__call__`` (FSDP2 hooks, gradient
-checkpointing) and nothing else in verl or transformers changes. Declared for transformers >= 5 only; with 4.x
-the row holds nothing (verl's function works there). The verl adapter carries :data:`REPAIRS` in its release
-table, so ``unpatch()`` restores verl's function and ``FSDP_COMPAT=off`` never installs it.
+checkpointing) and nothing else in verl or transformers changes. The replacement's condition (transformers >= 5)
+is checked when the transaction is applied; with 4.x it is left out (verl's function works there). The verl
+adapter carries :data:`REPAIRS` in its release table, so ``unpatch()`` restores verl's function and
+``FSDP_COMPAT=off`` never installs it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from packaging.version import Version
 
 from fsdp_compat.activation import Replacement, logger
 
-__all__ = ["GLM4V_MODULE", "REPAIRS", "make_get_input_embeds", "needs_repair", "vision_features"]
+__all__ = ["GLM4V_MODULE", "REPAIRS", "make_get_input_embeds", "transformers_5", "vision_features"]
 
 GLM4V_MODULE = "verl.models.transformers.glm4v"
 
@@ -64,7 +65,7 @@ def make_get_input_embeds(original: Callable[..., Any], policy: str = "auto") ->
     return _get_input_embeds
 
 
-def needs_repair() -> bool:
+def transformers_5() -> bool:
     """True when the installed transformers returns a model output from ``Glm4vVisionModel`` (5.0 and later)."""
     try:
         return Version(metadata.version("transformers")) >= Version("5.0.0.dev0")
@@ -73,9 +74,9 @@ def needs_repair() -> bool:
 
 
 #: the replacement the verl adapter's table row carries (deferred: applied when verl imports its glm4v module,
-#: i.e. when ``apply_monkey_patch`` meets a glm4v model); empty where verl's function works as shipped. That import
-#: also activates the adapter (the ``repaired`` modules of its registry row in ``fsdp_compat._autoload``), so the
+#: i.e. when ``apply_monkey_patch`` meets a glm4v model; left out where verl's function works as shipped). That
+#: import also activates the adapter (the ``repaired`` modules of its index row in ``fsdp_compat.adapters``), so the
 #: repair is in place when verl's GLM4V forward is used before anything imported ``verl.utils.fsdp_utils``.
 REPAIRS: tuple[Replacement, ...] = (
-    (Replacement(GLM4V_MODULE, "_get_input_embeds", make_get_input_embeds, deferred=True),) if needs_repair() else ()
+    Replacement(GLM4V_MODULE, "_get_input_embeds", make_get_input_embeds, deferred=True, when=transformers_5),
 )

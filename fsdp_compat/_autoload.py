@@ -1,8 +1,9 @@
-"""The switches, the adapter registry and fsdp-compat's one import-hook engine; what ``fsdp_compat.pth`` runs.
+"""The switches and fsdp-compat's one import-hook engine; what ``fsdp_compat.pth`` runs.
 
 Everything here must stay cheap, because the installed ``.pth`` calls :func:`install` in every Python process of
-the environment (SkyRL's Ray workers, verl's critic worker): this module imports only ``os``, ``sys`` and
-``_thread``, which every interpreter has loaded already. Importing it has no side effect.
+the environment (SkyRL's Ray workers, verl's critic worker): this module imports only ``os``, ``sys``, ``_thread``
+(which every interpreter has loaded already) and the adapter index :mod:`fsdp_compat.adapters` (constants only).
+Importing it has no side effect.
 
 **The engine.** :class:`ImportHooks` is a single meta-path finder that answers only for module names somebody
 watches (one dict lookup per import otherwise) and runs callbacks right after such a module has executed, before
@@ -14,14 +15,7 @@ the ``import`` statement that loaded it returns. It serves three clients:
 - late importers: a patched adapter watches the modules that bind the replaced name with ``from x import name``
   (and deferred replacements), so they are rebound the moment they load.
 
-**The registry.** :data:`ADAPTERS` is the one home of what must be known without importing an adapter: its module,
-and per distribution the trigger module (its import activates the adapter) and the supported versions. Adding an
-adapter is one row here plus its declaration module (see :mod:`fsdp_compat.activation`)::
-
-    "myframework": AdapterEntry(
-        "fsdp_compat.adapters.myframework",  # the declaration module (adapters/myframework.py)
-        {"myframework": ("myframework.distributed.fsdp", ">=1.2,<1.4")},  # distribution: (trigger, supported)
-    ),
+The adapters and their triggers come from :data:`fsdp_compat.adapters.ADAPTERS`, the index that lives with them.
 """
 
 from __future__ import annotations
@@ -29,6 +23,8 @@ from __future__ import annotations
 import _thread
 import os
 import sys
+
+from fsdp_compat.adapters import ADAPTERS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is not loaded at interpreter start; keep it that way
@@ -79,75 +75,6 @@ def warn(message: str) -> None:
         sys.stderr.write(f"{PREFIX} {message}\n")
     except Exception:  # no usable stderr (pythonw, closed pipe): nothing more to do
         pass
-
-
-# ------------------------------------------------------------------------------------------------------ registry
-
-
-class AdapterEntry:
-    """One adapter: its module and, per distribution, ``(trigger module, supported versions as PEP 440)``.
-
-    ``repaired``: module -> distribution, modules a deferred repair of that distribution replaces names in; their
-    import activates the distribution too, so a repair is in place whatever the user imported first.
-    """
-
-    __slots__ = ("distributions", "module", "repaired")
-
-    def __init__(
-        self, module: str, distributions: dict[str, tuple[str, str]], repaired: dict[str, str] | None = None
-    ) -> None:
-        self.module = module
-        self.distributions = distributions
-        self.repaired = repaired or {}
-
-    @property
-    def triggers(self) -> dict[str, str]:
-        """trigger module -> distribution."""
-        return {trigger: dist for dist, (trigger, _) in self.distributions.items()}
-
-    @property
-    def activating(self) -> dict[str, str]:
-        """Every module whose import activates a distribution (the triggers, then the repaired modules)."""
-        return {**self.triggers, **self.repaired}
-
-    @property
-    def supported(self) -> dict[str, str]:
-        """distribution -> supported versions."""
-        return {dist: spec for dist, (_, spec) in self.distributions.items()}
-
-    def __repr__(self) -> str:
-        return f"AdapterEntry({self.module!r}, {self.distributions!r})"
-
-
-#: adapter key -> entry. verl: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
-#: SkyRL: skyrl-train is superseded by skyrl (both can be installed side by side); skyrl 0.0.1 is a placeholder.
-ADAPTERS: dict[str, AdapterEntry] = {
-    "verl": AdapterEntry(
-        "fsdp_compat.adapters.verl",
-        {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")},
-        {"verl.models.transformers.glm4v": "verl"},  # adapters/verl_glm4v.py repairs it (deferred)
-    ),
-    "skyrl": AdapterEntry(
-        "fsdp_compat.adapters.skyrl",
-        {
-            "skyrl-train": ("skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.4"),
-            "skyrl": ("skyrl.backends.skyrl_train.distributed.fsdp_utils", ">=0.1.0,<0.5"),
-        },
-    ),
-    "transformers": AdapterEntry(
-        "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.25")}
-    ),
-    "areal": AdapterEntry("fsdp_compat.adapters.areal", {"areal": ("areal.engine.fsdp_utils", ">=1.0.4,<1.1")}),
-    "llamafactory": AdapterEntry(
-        "fsdp_compat.adapters.llamafactory",
-        {"llamafactory": ("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2", ">=0.9.5,<0.10")},
-    ),
-}
-
-
-def adapter_modules() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """adapter key -> (adapter module, trigger modules): a view of :data:`ADAPTERS`."""
-    return {key: (e.module, tuple(e.triggers)) for key, e in ADAPTERS.items()}
 
 
 # ------------------------------------------------------------------------------------------------------- engine
@@ -286,20 +213,26 @@ def activation_source() -> str | None:
 
 def _on_trigger(key: str) -> Callable[[ModuleType], None]:
     def activate(module: ModuleType) -> None:
-        """Import the adapter and let it patch the distribution whose trigger just loaded; never raises."""
+        """Activate the adapter for the distribution whose trigger just loaded, by one call; never raises.
+
+        Not loaded yet: importing the adapter module is the activation (its last line patches what is loaded,
+        with ``pth-hook`` as the source). Loaded already (say by verl's entry point): its ``on_trigger``.
+        """
         if not autoload_enabled():
             return
         trigger = getattr(module, "__name__", "?")
         try:
             entry = ADAPTERS[key]
-            previous, _source["value"] = _source["value"], "pth-hook"
-            try:
-                adapter_module = __import__(entry.module, fromlist=["ADAPTER"])
-            finally:
-                _source["value"] = previous
-            adapter = getattr(adapter_module, "ADAPTER", None)
-            on_trigger = getattr(adapter, "on_trigger", None)
-            if callable(on_trigger):  # the adapter is loaded already (say by verl's entry point): patch now
+            loaded = sys.modules.get(entry.module)
+            if loaded is None:
+                previous, _source["value"] = _source["value"], "pth-hook"
+                try:
+                    __import__(entry.module)
+                finally:
+                    _source["value"] = previous
+                return
+            on_trigger = getattr(getattr(loaded, "ADAPTER", None), "on_trigger", None)
+            if callable(on_trigger):  # a module still initialising has no ADAPTER: its own last line activates
                 on_trigger(trigger, "pth-hook")
         except Exception as exc:
             warn(f"the {key} adapter could not be activated after importing {trigger}: {type(exc).__name__}: {exc}")

@@ -1,24 +1,21 @@
-"""The :class:`Adapter` base class: gate versions, run one all-or-nothing patch transaction per distribution, log.
+"""The :class:`Adapter`: gate versions, run one all-or-nothing patch transaction per distribution, log.
 
-An adapter is a declaration. Its row in :data:`fsdp_compat._autoload.ADAPTERS` names the adapter module and, per
-distribution, the trigger module and the supported versions; its module declares a release table (distribution
-and version range -> replacements, by-name importers, repairs) as :class:`Release` rows, subclasses
-:class:`Adapter` with nothing but ``key`` and ``releases``, and ends with ``activate_on_import(ADAPTER)``::
+An adapter module is a declaration: its release table (distribution and version range -> replacements, by-name
+importers, repairs, conditions) as :class:`Release` rows, the replacement factories beside it, and one last line
+that builds the adapter and activates it::
 
     RELEASES = (Release(">=5.20", (Replacement("transformers.integrations.fsdp", "fn", make_fn),)),)
 
-    class TransformersAdapter(Adapter):
-        key = "transformers"
-        releases = RELEASES
-
-    ADAPTER = TransformersAdapter()
+    ADAPTER = declare("transformers", RELEASES)
     patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched
-    activate_on_import(ADAPTER)
 
-Everything else lives here once: the version gate (``FSDP_COMPAT_FORCE``), the policy (``FSDP_COMPAT_POLICY``), the
-transaction (:mod:`fsdp_compat.patching`, which also rebinds late importers through the import-hook engine of
-:mod:`fsdp_compat._autoload`), activation on import of the trigger modules (``FSDP_COMPAT``), exact restore on
-:meth:`Adapter.unpatch`, and one ``fsdp-compat: patched ...`` line per distribution and process.
+What must be known before the module is imported (its trigger modules, the supported range) is its row in the
+index :data:`fsdp_compat.adapters.ADAPTERS`. Everything else lives here once: the version gate
+(``FSDP_COMPAT_FORCE``), the policy (``FSDP_COMPAT_POLICY``), the transaction (:mod:`fsdp_compat.patching`, which
+also rebinds late importers through the import-hook engine of :mod:`fsdp_compat._autoload`), activation on import
+of the trigger modules (``FSDP_COMPAT``) and its one record (who activated each distribution: ``pth-hook``,
+``import``, a framework's own hook, ``explicit``), exact restore on :meth:`Adapter.unpatch`, and one
+``fsdp-compat: patched ...`` line per distribution and process.
 
 Each distribution of an adapter is patched on its own, when its trigger module is imported (skyrl-train and skyrl
 installed side by side are two transactions and two log lines). Imports no torch and no framework.
@@ -30,6 +27,7 @@ import logging
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import ClassVar
@@ -49,6 +47,7 @@ from fsdp_compat._autoload import (
     automatic_activation_enabled,
     force_enabled,
 )
+from fsdp_compat.adapters import ADAPTERS, AdapterEntry
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Applied, Patch, Reexport, Replacement, apply, import_modules
 
@@ -67,6 +66,7 @@ __all__ = [
     "activate_on_import",
     "autoload_enabled",
     "automatic_activation_enabled",
+    "declare",
     "force_enabled",
     "logger",
     "policy_from_env",
@@ -184,17 +184,22 @@ class _State:
 
 
 class Adapter:
-    """Gates versions and runs one all-or-nothing transaction per distribution; subclasses only declare.
+    """Gates versions and runs one all-or-nothing transaction per distribution; an adapter module only declares.
 
-    ``key`` names the row of :data:`fsdp_compat._autoload.ADAPTERS` (trigger modules, supported versions);
-    ``releases`` is the release table. ``patch`` is idempotent, thread-safe and all-or-nothing per distribution;
-    ``unpatch`` puts the exact original objects back wherever the replacement was bound and undoes the repairs.
+    ``key`` names the row of the index :data:`fsdp_compat.adapters.ADAPTERS` (trigger modules, supported
+    versions); ``releases`` is the release table. ``patch`` is idempotent, thread-safe and all-or-nothing per
+    distribution; ``unpatch`` puts the exact original objects back wherever the replacement was bound and undoes
+    the repairs. (Tests subclass it to pin a version; a subclass may set ``key`` and ``releases`` as attributes.)
     """
 
     key: ClassVar[str] = ""
     releases: ClassVar[tuple[Release, ...]] = ()
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "", releases: tuple[Release, ...] = ()) -> None:
+        if key:
+            self.key = key  # type: ignore[misc]
+        if releases:
+            self.releases = releases  # type: ignore[misc]
         self._lock = threading.RLock()
         self._state: dict[str, _State] = {}
         self._warned: set[str] = set()
@@ -207,12 +212,12 @@ class Adapter:
         return self.key
 
     @property
-    def entry(self) -> _autoload.AdapterEntry:
-        return _autoload.ADAPTERS[self.key]
+    def entry(self) -> AdapterEntry:
+        return ADAPTERS[self.key]
 
     @property
     def supported(self) -> dict[str, str]:
-        """distribution -> supported versions (from the registry)."""
+        """distribution -> supported versions (from the index row)."""
         return self.entry.supported
 
     @property
@@ -232,7 +237,7 @@ class Adapter:
             return None
 
     def installed(self) -> list[tuple[str, Version]]:
-        """Every installed distribution of this adapter with its version, in registry order."""
+        """Every installed distribution of this adapter with its version, in index order."""
         found = []
         for distribution in self.supported:
             version = self.version_of(distribution)
@@ -263,7 +268,7 @@ class Adapter:
         try:
             return SpecifierSet(spec).contains(version, prereleases=True)
         except InvalidSpecifier as exc:
-            raise FsdpCompatError(f"the {self.key} registry row: {distribution} {spec!r}: {exc}") from exc
+            raise FsdpCompatError(f"the {self.key} index row: {distribution} {spec!r}: {exc}") from exc
 
     def supported_text(self) -> str:
         return "; ".join(f"{dist} {spec}" for dist, spec in self.supported.items()) or "nothing declared"
@@ -454,13 +459,26 @@ class Adapter:
 # ------------------------------------------------------------------------------------------------- activation
 
 
-def activate_on_import(adapter: Adapter, source: str = "import") -> None:
-    """Called at the bottom of each adapter module: patch what is loaded now, the rest when it is imported.
+def activate_on_import(adapter: Adapter, source: str | Callable[[], str] = "import") -> None:
+    """Patch what is loaded now, the rest when it is imported: what importing an adapter module does.
 
-    Does nothing when ``FSDP_COMPAT`` is off. Never raises: a failure warns and leaves the framework as is. When
-    the ``.pth`` hook is what imports the adapter module, the source is ``pth-hook``.
+    Does nothing when ``FSDP_COMPAT`` is off. Never raises: a failure warns and leaves the framework as is. The
+    record of who activated it: ``pth-hook`` when the start-up hook imports the module, else ``source`` (a
+    callable is asked, e.g. verl's adapter tells its entry point from ``external_lib``).
     """
     if not automatic_activation_enabled():
         logger.debug("%s adapter: automatic activation is off (%s)", adapter.key, ENV_SWITCH)
         return
-    adapter.activate(_autoload.activation_source() or source)
+    loaded_by = _autoload.activation_source()
+    if loaded_by is None:
+        loaded_by = source() if callable(source) else source
+    adapter.activate(loaded_by)
+
+
+def declare(key: str, releases: tuple[Release, ...], *, source: str | Callable[[], str] = "import") -> Adapter:
+    """The last line of an adapter module: build the adapter for the index row ``key`` and activate it."""
+    if key not in ADAPTERS:
+        raise FsdpCompatError(f"no adapter {key!r} in fsdp_compat.adapters.ADAPTERS; add its row there first.")
+    adapter = Adapter(key, releases)
+    activate_on_import(adapter, source)
+    return adapter

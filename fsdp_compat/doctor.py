@@ -1,7 +1,7 @@
 """``fsdp-compat doctor``: what is installed, what is supported, and what is patched in this process.
 
 It reports without changing anything: versions come from importlib.metadata and the supported ranges from the
-adapter registry (:data:`fsdp_compat._autoload.ADAPTERS`); it never imports a framework or an adapter module (an
+adapter index (:data:`fsdp_compat.adapters.ADAPTERS`); it never imports a framework or an adapter module (an
 adapter imported here would patch what it inspects). An adapter that is already loaded is asked for its state.
 Safe to run anywhere: a login node, a Ray worker through ``ray.get(remote(report))``, a notebook mid-training.
 """
@@ -19,17 +19,16 @@ from packaging.version import InvalidVersion, Version
 
 from fsdp_compat import _autoload
 from fsdp_compat._autoload import (
-    ADAPTERS,
     ENV_AUTOLOAD,
     ENV_FORCE,
     ENV_LOG,
     ENV_POLICY,
     ENV_SWITCH,
-    AdapterEntry,
     autoload_enabled,
     automatic_activation_enabled,
     force_enabled,
 )
+from fsdp_compat.adapters import ADAPTERS, AdapterEntry
 
 PTH_NAME = "fsdp_compat.pth"
 

@@ -34,6 +34,8 @@ class Replacement:
     ``optional``: skip it when the name does not exist (a selector only some releases ship). ``unless``: skip it
     when ``module`` has this attribute (a release that ships a better hook point, replaced by another row).
     ``deferred``: do not import ``module``; replace the name when it is imported (now if it is loaded).
+    ``when``: a condition checked when the transaction is applied, not when the table is declared (e.g. "the
+    installed transformers is 5.x"); false: the replacement is left out of this transaction.
     A ``name`` of the form ``Class.attr`` replaces an attribute of a class defined in ``module`` (a method):
     every holder of the class sees it, so ``importers`` do not apply.
     """
@@ -45,10 +47,15 @@ class Replacement:
     optional: bool = False
     unless: str | None = None
     deferred: bool = False
+    when: Callable[[], bool] | None = None
 
     @property
     def target(self) -> str:
         return f"{self.module}.{self.name}"
+
+    def applies(self) -> bool:
+        """Whether the row's condition (if any) holds now."""
+        return self.when is None or bool(self.when())
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class Patch:
     def modules(self) -> list[str]:
         """The modules the transaction imports first (deferred replacements wait for their module; repairs'
         sources are imported here too, so that nothing is imported while a lock is held)."""
-        names = [r.module for r in self.replacements if not r.deferred]
+        names = [r.module for r in self.replacements if not r.deferred and r.applies()]
         names += [name for r in self.repairs for name in (r.module, r.source.partition(":")[0])]
         return list(dict.fromkeys(names))
 
@@ -279,6 +286,8 @@ def apply(patch: Patch, policy: str) -> Applied:
                 setattr(module, rep.name, value)
                 applied.repaired.append((module, rep, value))
         for rep in patch.replacements:
+            if not rep.applies():
+                continue
             if rep.deferred and rep.module not in sys.modules:
                 applied.pending.append(rep)
                 continue
