@@ -166,7 +166,7 @@ def _bench_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
 def run_model(key: str, *, world_size: int, warmup: int, steps: int, timeout_s: float) -> dict[str, Any]:
     """One pair of ranks for ``key``: the four variants side by side; per variant the slowest rank's time."""
-    from fsdp_compat.testing.harness import run_ranks
+    from fsdp_compat.testing.launch import run_ranks
 
     model, leave = MODELS[key]
     cfg = {"model": model, "leave": leave, "warmup": warmup, "steps": steps}

@@ -391,7 +391,7 @@ def _trace(model: Any, batches: list[dict[str, Any]], steps: int) -> list[tuple[
     out = []
     for _ in range(steps):
         reference_backward(model, batches)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append((grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
@@ -416,21 +416,16 @@ def _root_share(model: Any) -> tuple[int, float]:
 def _compare(model: Any, batch: dict[str, Any], reference: list[Any]) -> float:
     import torch
 
-    from fsdp_compat.testing.harness import _Diff, _full
+    from fsdp_compat.testing.parity import Diff
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    diff = _Diff()
+    diff = Diff()
     for ref_grads, ref_params in reference:
         model(**batch).loss.backward()
-        named = list(model.named_parameters())
-        with torch.no_grad():
-            for n, p in named:
-                diff.add(n, _full(p.grad), ref_grads.get(n))
+        diff.add_grads(model, ref_grads)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for n, p in named:
-                diff.add(n, _full(p), ref_params[n])
+        diff.add_params(model, ref_params)
     return diff.rel
 
 
@@ -501,7 +496,7 @@ def run_matrix(
 ) -> dict[str, Any]:
     import tempfile
 
-    from fsdp_compat.testing.harness import run_ranks
+    from fsdp_compat.testing.launch import run_ranks
 
     cells: dict[str, Any] = {}
     workdir = tempfile.TemporaryDirectory(prefix="fsdp_compat_matrix_")

@@ -69,7 +69,7 @@ def _rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
 
 def run(model: str, warmup: int, steps: int) -> dict[str, Any]:
-    from fsdp_compat.testing.harness import run_ranks
+    from fsdp_compat.testing.launch import run_ranks
 
     result = run_ranks("benchmarks.mixed_batches:_rank", {"model": model, "warmup": warmup, "steps": steps},
                        world_size=2, timeout_s=900)  # fmt: skip

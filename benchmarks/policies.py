@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.policies [--models a,b] [--warmup 1] [--steps 5] [--world-size 2]``
 
-Why a runner of its own instead of :func:`fsdp_compat.testing.harness.run_training`: the harness trains a
+Why a runner of its own instead of :func:`fsdp_compat.testing.parity.run_training`: the harness trains a
 single-process reference next to the FSDP model (parity, not speed) and starts 2 fresh interpreters per
 (model, policy) pair. Here each model gets one pair of ranks that holds one wrapped copy *per policy* and steps
 them round-robin (policy A step 1, policy B step 1, ...), so the policies of one model see the same machine load
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import POLICY_ORDER, fmt_bytes, fmt_ratio, format_table, fsdp2_unsharded_estimate
-from fsdp_compat.testing.harness import _free_port, _kill_group, spawn_ranks
+from fsdp_compat.testing.launch import _free_port, _kill_group, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TIME_TOLERANCE = 0.02  # the target: auto within 2 % of the fastest crash-free policy

@@ -93,7 +93,7 @@ def _check_smoke_request(framework: str, device: str) -> None:
 def _cmd_smoke(args: argparse.Namespace) -> int:
     import importlib
 
-    from fsdp_compat.testing.harness import format_smoke_table
+    from fsdp_compat.testing.smoke import format_smoke_table
 
     _check_smoke_request(args.framework, args.device)
     frameworks = ["core", "verl", "skyrl"] if args.framework == "all" else [args.framework]

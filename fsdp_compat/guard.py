@@ -19,7 +19,7 @@ and the read, after ``FSDP_COMPAT_GUARD_AGREE_S`` seconds (60) instead of a mism
 forward then fails logs that report under its own rank.
 
 ``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals (``FSDPParamGroup``, ``FSDPState``;
-``tests/test_guard_contract.py`` checks each one on every torch in CI). Every call into them, wherever it is met
+``tests/guard/test_guard_contract.py`` checks each one on every torch in CI). Every call into them, wherever it is met
 (discovery, a read, the end of a no-grad forward, the end of backward), is inside the stand-aside path: where they
 differ the guard warns once and stands aside for good, leaving FSDP2's own behaviour; it never raises into the
 user's forward or backward. A group it already holds for the current step is still handed back to FSDP2 at the end
@@ -92,7 +92,8 @@ def guard_enabled() -> bool:
     return os.environ.get(ENV_GUARD, "on").strip().lower() not in _OFF
 
 
-#: The oldest torch whose FSDP2 internals behave as the guard assumes (``tests/test_guard_contract.py`` passes there).
+#: The oldest torch whose FSDP2 internals behave as the guard assumes (``tests/guard/test_guard_contract.py`` passes
+#: there).
 #: On torch 2.8, 2.10 and 2.11 the contract fails (an instance override of the root's post-backward callback is not
 #: what FSDP2 runs once per backward) and guarded training gave wrong gradients or crashed in backward, so on an
 #: older torch the guard stands aside: FSDP2 runs as without it, the static plan still applies.

@@ -1,8 +1,9 @@
 """What a framework release can and cannot do that no patch of ours changes, for ``fsdp-compat doctor``.
 
 One home for these facts: :mod:`fsdp_compat.doctor` prints them for the installed releases, and the SkyRL engine
-tests (``tests/test_skyrl_engine.py``) load GLM4V through every release's own model builders and assert that the
-releases listed here are exactly the ones that load it. Imports only ``packaging`` (doctor imports no framework).
+tests (``tests/stacks/skyrl/test_skyrl_engine.py``) load GLM4V through every release's own model builders and assert
+that the releases listed here are exactly the ones that load it. Imports only ``packaging`` (doctor imports no
+framework).
 """
 
 from __future__ import annotations

@@ -7,32 +7,22 @@ under a policy, optionally loads a torch.distributed.checkpoint (DCP) written by
 and saves DCP checkpoints plus the full state dict that verl and SkyRL gather for saving and for weight sync
 (``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``) for the parent to compare.
 
-The parent side reuses the harness's process handling: one deadline, ranks in their own sessions, every process
-killed and reaped, each failing rank's traceback in the result. Also here: wrap fns for the harness that pass
-mixed precision and CPU offload through :func:`fsdp_compat.apply.apply_fsdp2`.
+The ranks run under :func:`fsdp_compat.testing.launch.run_ranks` (one deadline, every process killed and reaped,
+each failing rank's traceback in the result) and train with :func:`fsdp_compat.testing.parity.twin_step`. Also here:
+wrap fns for :func:`~fsdp_compat.testing.parity.run_training` that pass mixed precision and CPU offload through
+:func:`fsdp_compat.apply.apply_fsdp2`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_compat.testing.harness import (
-    _FAIL_GRACE_S,
-    RunResult,
-    _child_env,
-    _collect,
-    _free_port,
-    _kill_group,
-    rank_entry,
-    spawn_ranks,
-)
+from fsdp_compat.testing.launch import RunResult, run_ranks
 
 __all__ = ["Phase", "auto_bf16_cpu_offload", "dtype_probe", "load_full", "run_phases"]
 
@@ -43,9 +33,9 @@ class Phase:
 
     ``load`` names a checkpoint tag written earlier (``<phase tag>_s<step>``); training resumes at that step.
     ``save_at`` lists the (1-based) steps after which a DCP checkpoint and the full state dicts are written.
-    Each rank trains on its own micro-batch (the harness's :func:`~fsdp_compat.testing.harness.rank_batches`: seed
-    ``rank``); ``reference`` also trains an unsharded deep copy on all the ranks' micro-batches with the mean loss
-    (:func:`~fsdp_compat.testing.harness.reference_backward`), for exact parity of the loss trajectory and of the
+    Each rank trains on its own micro-batch (:func:`~fsdp_compat.testing.parity.rank_batches`: seed ``rank``);
+    ``reference`` also trains an unsharded deep copy on all the ranks' micro-batches with the mean loss
+    (:func:`~fsdp_compat.testing.parity.twin_step`), for exact parity of the loss trajectory and of the
     parameters after every step (2 ranks: difference 0.0).
     ``rewrap`` tries ``apply_fsdp2`` a second time at the end (it must refuse and change nothing).
     """
@@ -77,45 +67,13 @@ def run_phases(
     and ``<workdir>/<tag>_loaded_full.pt`` (right after a load); read them with :func:`load_full`.
     """
     _validate(model, phases, Path(workdir))
-    start = time.monotonic()
-    deadline = start + timeout_s
     cfg = {
         "model": model,
         "phases": [asdict(p) for p in phases],
         "workdir": str(Path(workdir).resolve()),
-        "world_size": world_size,
-        "timeout_s": timeout_s,
         "device": device,
-        "port": _free_port(),
     }
-    procs: list[subprocess.Popen[bytes]] = []
-    killed: dict[int, str] = {}
-    with tempfile.TemporaryDirectory(prefix="fsdp_compat_ckpt_") as tmp:
-        work = Path(tmp)
-        (work / "config.json").write_text(json.dumps(cfg))
-        code = "from fsdp_compat.testing.checkpoints import _rank_main; _rank_main()"
-        env = _child_env(None)
-        try:
-            procs.extend(spawn_ranks(work, code, world_size, env))
-            first_failure: float | None = None
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-                    first_failure = now
-                reason = None
-                if first_failure is not None and now - first_failure > _FAIL_GRACE_S:
-                    reason = "killed: another rank failed first (see its traceback)"
-                elif now > deadline:
-                    reason = f"timed out after {timeout_s:g}s"
-                if reason:
-                    killed.update({r: reason for r, p in enumerate(procs) if p.poll() is None})
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                _kill_group(p)
-        ranks = [_collect(work, rank, p, killed.get(rank)) for rank, p in enumerate(procs)]
-    return RunResult(ranks=ranks, seconds=time.monotonic() - start)
+    return run_ranks(f"{__name__}:_run", cfg, world_size=world_size, timeout_s=timeout_s)
 
 
 def _validate(model: str, phases: list[Phase], workdir: Path) -> None:
@@ -147,35 +105,15 @@ def load_full(workdir: str | os.PathLike[str], name: str) -> dict[str, Any]:
 # Rank side
 
 
-def _rank_main() -> None:
-    """Entry point of one rank: ``python -c ... WORKDIR RANK``; writes ``rank<N>.json`` like the harness."""
-    rank_entry(_run)
-
-
 def _run(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
+    """Rank routine of :func:`run_phases`: every phase in order, in this one process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fsdp_compat.testing.parity import init_group
+
     start = time.perf_counter()
-    world_size = cfg["world_size"]
-    cuda = cfg["device"].startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group(
-        backend="nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
-    mesh = init_device_mesh(dev.type, (world_size,))
+    dev = init_group(cfg, rank)
+    mesh = init_device_mesh(dev.type, (cfg["world_size"],))
     extra["phases"] = {}
     for spec in cfg["phases"]:
         phase = Phase(**spec)
@@ -227,14 +165,7 @@ def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dic
 
     from fsdp_compat.apply import apply_fsdp2
     from fsdp_compat.errors import FsdpCompatError
-    from fsdp_compat.testing.harness import (
-        _Diff,
-        _fsdp_group_paths,
-        _full,
-        gradient_reduction_factor,
-        rank_batches,
-        reference_backward,
-    )
+    from fsdp_compat.testing.parity import Diff, _fsdp_group_paths, loss_scale, rank_batches, twin_step
     from fsdp_compat.testing.zoo import build_model
 
     model = build_model(name, seed=phase.seed, device=dev)
@@ -268,24 +199,21 @@ def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = rank_batches({"model": name, "seed": 0, "world_size": world}, dev)  # each rank its own micro-batch
-    scale = 1.0 / gradient_reduction_factor(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
+    scale = loss_scale(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
     losses: dict[int, float] = {}
     ref_losses: dict[int, float] = {}
-    worst = _Diff()
+    grads, params = Diff(), Diff()
     for step in range(start + 1, phase.steps + 1):
-        loss = model(**batches[rank]).loss
-        (loss * scale if scale != 1.0 else loss).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses[step] = float(loss.detach())
         if reference is not None and ref_opt is not None:
-            ref_losses[step] = float(reference_backward(reference, batches)[rank])
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            ref_params = dict(reference.named_parameters())
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    worst.add(pname, _full(p), ref_params[pname])
+            done = twin_step(model, reference, (opt, ref_opt), batches, rank, (grads, params), scale=scale)
+            loss = done.loss
+            ref_losses[step] = float(done.ref_losses[rank])
+        else:
+            loss = model(**batches[rank]).loss
+            (loss * scale if scale != 1.0 else loss).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses[step] = float(loss.detach())
         if step in phase.save_at:
             tag = f"{phase.tag}_s{step}"
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -297,7 +225,8 @@ def _phase(name: str, phase: Phase, workdir: Path, mesh: Any, dev: Any, out: dic
     out["losses"] = {str(k): v for k, v in losses.items()}
     out["reference_losses"] = {str(k): v for k, v in ref_losses.items()}
     if reference is not None:
-        out["max_abs_param_diff"], out["worst_param"] = worst.abs, worst.where
+        out["max_abs_param_diff"], out["worst_param"] = params.abs, params.where
+        out["max_abs_grad_diff"] = grads.abs
     if opt.state:
         out["optim_keys"] = sorted(get_optimizer_state_dict(model, opt)["state"])
 

@@ -9,7 +9,8 @@ by default they stay in step and parity is exact again. Every row must pass for 
 
 from __future__ import annotations
 
-from fsdp_compat.testing.harness import SmokeRow, format_smoke_table, run_training
+from fsdp_compat.testing.parity import run_training
+from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
 __all__ = ["GRID_SAMPLER_CRASH", "MIXED_BATCH_MISMATCH", "run"]
 

@@ -1,6 +1,6 @@
 """Small models that read a parameter while its FSDP2 group is sharded, and wrap functions for the guard tests.
 
-The models are named to :func:`fsdp_compat.testing.harness.run_training` as ``"fsdp_compat.testing.guard_models:
+The models are named to :func:`fsdp_compat.testing.parity.run_training` as ``"fsdp_compat.testing.guard_models:
 NAME"`` (the zoo resolves such names: an object with ``build()`` and ``batch(generator)``). Each reproduces one read
 pattern the run-time guard exists for:
 
@@ -295,14 +295,14 @@ def _record(model: nn.Module) -> None:
 def probe() -> dict[str, Any]:
     """What the guard did on this rank, the log lines, the all-gather count and a digest of the final weights."""
     from fsdp_compat.guard import guard_of
+    from fsdp_compat.testing.parity import full_tensor
 
     model = _MODELS[-1]
     guard = guard_of(model)
     digest = hashlib.sha256()
     with torch.no_grad():
         for _, p in sorted(model.named_parameters(), key=lambda item: item[0]):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            digest.update(full.detach().float().cpu().numpy().tobytes())
+            digest.update(full_tensor(p).detach().float().cpu().numpy().tobytes())
     return {
         "guard": guard is not None,
         "events": [e.message for e in guard.events] if guard else [],
@@ -412,7 +412,7 @@ def rank_batch(model: str, rank: int) -> dict[str, torch.Tensor]:
 
 
 def dp_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    """Rank routine for :func:`fsdp_compat.testing.harness.run_ranks`: ``cfg["model"]`` (a model of this module)
+    """Rank routine for :func:`fsdp_compat.testing.launch.run_ranks`: ``cfg["model"]`` (a model of this module)
     under ``cfg["policy"]`` data-parallel, rank r on its own batch, against an unsharded twin that runs every rank's
     batch with loss / W before each AdamW step (the mean loss: exact for W <= 2, so the figure is 0.0). With
     ``cfg["no_grad_between"]`` a ``torch.no_grad()`` forward on another batch runs between each training forward and
@@ -427,7 +427,7 @@ def dp_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.guard import guard_of
-    from fsdp_compat.testing.read_corpus import loss_scale
+    from fsdp_compat.testing.parity import loss_scale
 
     torch.set_num_threads(1)
     lines: list[str] = []
@@ -474,35 +474,19 @@ def dp_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
 def _dp_steps(cfg: dict[str, Any], rank: int, world: int, model: nn.Module, twin: nn.Module,
               batches: list[dict[str, torch.Tensor]], extra: dict[str, Any]) -> float:
-    from fsdp_compat.testing.read_corpus import full_tensor, worse
+    from fsdp_compat.testing.parity import Diff, twin_step
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
-    ref = dict(twin.named_parameters())
-    worst = 0.0
-    for _ in range(cfg.get("steps", 2)):
-        loss = model(**batches[rank]).loss
-        if cfg.get("no_grad_between"):
-            with torch.no_grad():
-                extra.setdefault("eval_losses", []).append(float(model(**batches[(rank + 1) % world]).loss))
-        (loss * cfg["scale"] if cfg["scale"] != 1.0 else loss).backward()
-        for batch in batches:
-            (twin(**batch).loss / world).backward()
-        for pname, p in model.named_parameters():
-            got, want = full_tensor(p.grad), ref[pname].grad
-            if got is None or want is None:
-                worst = worse(worst, 0.0 if got is None and want is None else float("inf"))
-            else:
-                worst = worse(worst, float((got - want).abs().max()))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    def evaluate() -> None:  # a no_grad forward on another rank's batch between forward and backward
         with torch.no_grad():
-            for pname, p in model.named_parameters():
-                worst = worse(worst, float((full_tensor(p) - ref[pname]).abs().max()))
-        extra["losses"].append(float(loss.detach()))
-    return worst
+            extra.setdefault("eval_losses", []).append(float(model(**batches[(rank + 1) % world]).loss))
+
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    diff = Diff(absent_is_inf=True)
+    for _ in range(cfg.get("steps", 2)):
+        step = twin_step(model, twin, opts, batches, rank, (diff, diff), scale=cfg["scale"],
+                         between=evaluate if cfg.get("no_grad_between") else None)
+        extra["losses"].append(float(step.loss.detach()))
+    return diff.abs
 
 
 # ------------------------------------------------------------------------------- hiding FSDP2 internals

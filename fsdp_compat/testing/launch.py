@@ -85,21 +85,28 @@ class RunResult:
         first = self.error
         return first.splitlines()[-1] if first else None
 
+    def _worst(self, figure: str) -> float:
+        """A parity figure over the ranks: NaN if any rank that ran measured NaN (a NaN fails); NaN when none ran."""
+        measured = [getattr(r, figure) for r in self.ranks if r.ok]
+        if any(math.isnan(v) for v in measured):
+            return math.nan
+        return max(measured) if measured else _nanmax([getattr(r, figure) for r in self.ranks])
+
     @property
     def max_abs_grad_diff(self) -> float:
-        return _nanmax([r.max_abs_grad_diff for r in self.ranks])
+        return self._worst("max_abs_grad_diff")
 
     @property
     def max_rel_grad_diff(self) -> float:
-        return _nanmax([r.max_rel_grad_diff for r in self.ranks])
+        return self._worst("max_rel_grad_diff")
 
     @property
     def max_abs_param_diff(self) -> float:
-        return _nanmax([r.max_abs_param_diff for r in self.ranks])
+        return self._worst("max_abs_param_diff")
 
     @property
     def max_rel_param_diff(self) -> float:
-        return _nanmax([r.max_rel_param_diff for r in self.ranks])
+        return self._worst("max_rel_param_diff")
 
     @property
     def step_time_s(self) -> float:

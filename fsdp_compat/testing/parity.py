@@ -1,8 +1,10 @@
-"""The parity loop: W ranks train a zoo model under a wrap fn and compare with one process, exactly.
+"""The parity loop: W ranks train a model under a wrap fn and compare with one process, exactly.
 
 Data-parallel: every rank its own micro-batch; the single-process reference trains on all of them with the mean
-loss (:func:`reference_backward`), so with 2 ranks gradients and post-AdamW parameters are equal (0.0). The
-comparator (:class:`_Diff`) fails on NaN. Processes are :mod:`fsdp_compat.testing.launch`'s.
+loss (:func:`reference_backward`), so with 2 ranks gradients and post-AdamW parameters are equal (0.0). One step of
+both is :func:`twin_step`; the comparator (:class:`Diff`) fails on NaN. Every twin-training loop of the test support
+(zoo models here, the guard's and the read corpus's models, peft, transformers' native FSDP2, checkpoints) is built
+from these pieces. Processes are :mod:`fsdp_compat.testing.launch`'s.
 """
 
 from __future__ import annotations
@@ -11,17 +13,27 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fsdp_compat.testing.launch import RankResult, RunResult, _jsonable, _resolve, _wrap_spec, run_ranks
 
 __all__ = [
     "PARITY_TOL",
+    "Diff",
+    "Step",
     "WrapFn",
+    "full_tensor",
     "gradient_reduction_factor",
+    "init_group",
+    "lm_loss",
+    "loss_scale",
     "rank_batches",
     "reference_backward",
     "run_training",
+    "twin_step",
+    "worse",
 ]
 
 WrapFn = str  # "package.module:function", imported in each rank; called as fn(model, fsdp_kwargs) -> Any
@@ -80,7 +92,7 @@ def run_training(
     )
 
 
-def _full(t: Any) -> Any:
+def full_tensor(t: Any) -> Any:
     """A DTensor's full value (a collective: every rank calls it in the same order), else the tensor."""
     if t is None:
         return None
@@ -88,39 +100,157 @@ def _full(t: Any) -> Any:
     return full() if callable(full) else t
 
 
-class _Diff:
-    """Running max of absolute and relative differences, and where the worst one was."""
+def worse(worst: float, x: float) -> float:
+    """The running maximum of a comparator, NaN-sticky: ``max(worst, nan)`` keeps ``worst``, this returns nan, and a
+    later finite value does not replace it."""
+    return worst if x <= worst or math.isnan(worst) else x
 
-    def __init__(self) -> None:
+
+class Diff:
+    """Running max of absolute and relative (``|Δ| / max(1, |ref|)``) differences, and where the worst relative one
+    was. NaN-sticky (a NaN anywhere stays NaN: every assertion on it fails). A tensor on one side only is compared
+    with zeros, or counts as ``inf`` with ``absent_is_inf``."""
+
+    def __init__(self, *, absent_is_inf: bool = False) -> None:
         self.abs = 0.0
         self.rel = 0.0
         self.where = ""
+        self.absent_is_inf = absent_is_inf
 
     def add(self, name: str, got: Any, ref: Any) -> None:
         import torch
 
         if got is None and ref is None:
             return
-        got = torch.zeros_like(ref) if got is None else got.detach().float()
-        ref = torch.zeros_like(got) if ref is None else ref.detach().float()
-        diff = (got - ref).abs()
-        if diff.numel() == 0:
-            return
-        a = float(diff.max())
-        r = float((diff / ref.abs().clamp_min(1.0)).max())
-        if not (a <= self.abs):  # also catches nan
-            self.abs = a
-        if not (r <= self.rel):
+        if (got is None or ref is None) and self.absent_is_inf:
+            a = r = math.inf
+        else:
+            got = torch.zeros_like(ref) if got is None else got.detach().float()
+            ref = torch.zeros_like(got) if ref is None else ref.detach().float()
+            diff = (got - ref).abs()
+            if diff.numel() == 0:
+                return
+            a = float(diff.max())
+            r = float((diff / ref.abs().clamp_min(1.0)).max())
+        self.abs = worse(self.abs, a)
+        if not (r <= self.rel or math.isnan(self.rel)):  # worse(), and where
             self.rel, self.where = r, name
+
+    def add_grads(self, model: Any, ref_grads: Mapping[str, Any]) -> None:
+        """Every parameter's gradient (full tensor: a collective) against ``ref_grads[name]``."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                self.add(name, full_tensor(p.grad), ref_grads[name])
+
+    def add_params(self, model: Any, ref_params: Mapping[str, Any]) -> None:
+        """Every parameter (full tensor: a collective) against ``ref_params[name]``."""
+        import torch
+
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                self.add(name, full_tensor(p), ref_params[name])
+
+
+
+
+def lm_loss(model: Any, batch: dict[str, Any]) -> Any:
+    """A transformers-style model's loss: ``model(**batch).loss``."""
+    return model(**batch).loss
+
+
+@dataclass
+class Step:
+    """What :func:`twin_step` measured: this rank's (unscaled) loss, the reference's loss of every micro-batch, and
+    the seconds of the sharded side (forward, backward, optimizer step)."""
+
+    loss: Any
+    ref_losses: list[Any]
+    seconds: float
+
+
+def twin_step(
+    model: Any,
+    reference: Any,
+    opts: tuple[Any, Any],
+    batches: list[Any],
+    rank: int,
+    diffs: tuple[Diff, Diff],
+    *,
+    scale: float = 1.0,
+    loss: Callable[[Any, Any], Any] = lm_loss,
+    ref_loss: Callable[[Any, Any], Any] | None = None,
+    between: Callable[[], None] | None = None,
+    before_compare: Callable[[], None] | None = None,
+    sync: Callable[[], None] | None = None,
+) -> Step:
+    """One data-parallel step of the sharded ``model`` (on ``batches[rank]``, its loss times ``scale``) and of its
+    unsharded twin ``reference`` (:func:`reference_backward` on all ``batches``), then each optimizer of ``opts``
+    (model's, reference's) steps. ``diffs`` (grads, params; may be one Diff twice) get every gradient after the
+    backwards and every parameter after the step. ``loss(model, batch)`` computes a loss (``ref_loss`` the
+    reference's, default the same); ``between()`` runs between the sharded forward and backward (an evaluation
+    pass), ``before_compare()`` before the gradients are compared (a NaN control); ``sync`` (e.g.
+    ``torch.cuda.synchronize``) runs around the timed parts."""
+    opt, ref_opt = opts
+    grads, params = diffs
+    if sync:
+        sync()
+    t = time.perf_counter()
+    out = loss(model, batches[rank])
+    if between:
+        between()
+    (out * scale if scale != 1.0 else out).backward()
+    seconds = time.perf_counter() - t
+    ref_losses = reference_backward(reference, batches, loss=ref_loss or loss)
+    if before_compare:
+        before_compare()
+    ref_params = dict(reference.named_parameters())
+    grads.add_grads(model, {name: p.grad for name, p in ref_params.items()})
+    if sync:
+        sync()
+    t = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if sync:
+        sync()
+    seconds += time.perf_counter() - t
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    params.add_params(model, ref_params)
+    return Step(out, ref_losses, seconds)
+
+
+def init_group(cfg: dict[str, Any], rank: int) -> Any:
+    """Join the process group of a :func:`~fsdp_compat.testing.launch.run_ranks` rank on ``cfg["device"]`` (NCCL,
+    one GPU a rank; else gloo, the CPU cores shared among the ranks); returns this rank's torch device."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    cuda = cfg["device"].startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg["world_size"]))  # ranks share the CPU cores
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=cfg["world_size"],
+        timeout=timedelta(seconds=cfg["timeout_s"]),
+    )
+    return dev
 
 
 def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     """Set up the process group, wrap, train and compare; ``extra`` collects facts even when this fails."""
     import copy
-    from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.testing.zoo import build_model
@@ -129,19 +259,7 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     cuda = device.startswith("cuda")
     extra.update(world_size=world_size, backend="nccl" if cuda else "gloo")
     t0 = time.perf_counter()
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dev = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # ranks share the CPU cores
-    dist.init_process_group(
-        backend=extra["backend"],
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
+    dev = init_group(cfg, rank)
     model = build_model(cfg["model"], seed=cfg["seed"], device=dev)
     reference = copy.deepcopy(model)
     mesh = init_device_mesh(dev.type, (world_size,))
@@ -152,43 +270,19 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     extra["setup_s"] = time.perf_counter() - t0
 
     batches = rank_batches(cfg, dev)
-    batch = batches[rank]
     scale = 1.0 / gradient_reduction_factor(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
     extra["gradient_reduction_factor"] = 1.0 / scale
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    ref_params = dict(reference.named_parameters())
-    grads, params = _Diff(), _Diff()
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    grads, params = Diff(), Diff()
     losses: list[float] = []
     ref_losses: list[float] = []
     times: list[float] = []
+    sync = torch.cuda.synchronize if cuda else None
     for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = model(**batch).loss
-        (loss * scale if scale != 1.0 else loss).backward()
-        t_fb = time.perf_counter() - t
-        ref_loss = reference_backward(reference, batches)[rank]
-        named = list(model.named_parameters())
-        with torch.no_grad():
-            for name, p in named:
-                grads.add(name, _full(p.grad), ref_params[name].grad)
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(t_fb + time.perf_counter() - t)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, p in named:
-                params.add(name, _full(p), ref_params[name])
-        losses.append(float(loss.detach()))
-        ref_losses.append(float(ref_loss.detach()))
+        step = twin_step(model, reference, opts, batches, rank, (grads, params), scale=scale, sync=sync)
+        times.append(step.seconds)
+        losses.append(float(step.loss.detach()))
+        ref_losses.append(float(step.ref_losses[rank]))
     extra["reference_losses"] = ref_losses
     extra["mixed_batches"] = _mixed_batch_counters(model)
     guard = _guard_of(model)
@@ -242,14 +336,17 @@ def rank_batches(cfg: dict[str, Any], device: Any) -> list[dict[str, Any]]:
     return out
 
 
-def reference_backward(reference: Any, batches: list[dict[str, Any]]) -> list[Any]:
+def reference_backward(
+    reference: Any, batches: list[Any], *, loss: Callable[[Any, Any], Any] = lm_loss
+) -> list[Any]:
     """One process training on all the ranks' micro-batches with the mean loss: ``(loss_r / W).backward()`` per
-    micro-batch, accumulating into ``.grad``. Returns the per-micro-batch losses (unscaled)."""
+    micro-batch, accumulating into ``.grad`` (with W = 2 the halving is exact and the sum commutative: 0.0).
+    ``loss(reference, batch)`` computes loss_r. Returns the per-micro-batch losses (unscaled)."""
     losses = []
     for b in batches:
-        loss = reference(**b).loss
-        (loss / len(batches)).backward()
-        losses.append(loss.detach())
+        out = loss(reference, b)
+        (out / len(batches)).backward()
+        losses.append(out.detach())
     return losses
 
 
@@ -265,7 +362,18 @@ def gradient_reduction_factor(mesh: Any) -> float:
         probe.weight.fill_(1.0)
     fully_shard(probe, mesh=mesh)
     probe(torch.ones(1, 1, device=mesh.device_type)).sum().backward()
-    return float(_full(probe.weight.grad).item())
+    return float(full_tensor(probe.weight.grad).item())
+
+
+_SCALES: dict[int, float] = {}
+
+
+def loss_scale(mesh: Any) -> float:
+    """1 / :func:`gradient_reduction_factor` (cached per mesh): the sharded model's loss is scaled by it so the
+    mean-loss comparison holds on every torch and backend."""
+    if id(mesh) not in _SCALES:
+        _SCALES[id(mesh)] = 1.0 / gradient_reduction_factor(mesh)
+    return _SCALES[id(mesh)]
 
 
 def _fsdp_group_sets(model: Any) -> list[list[str]]:

@@ -4,7 +4,7 @@ peft puts the table behind a wrapper: ``modules_to_save`` (``ModulesToSaveWrappe
 ``modules_to_save.default``) or a LoRA target (``lora.Embedding``, the table under ``base_layer``). GLM4V's vision
 embeddings still read ``self.position_embedding.weight``, which the wrapper answers from an inner module, so a plan
 by module path gives the inner module a group and ``F.grid_sample`` gets a sharded DTensor.
-:func:`peft_rank` is a rank routine for :func:`fsdp_compat.testing.harness.run_ranks`.
+:func:`peft_rank` is a rank routine for :func:`fsdp_compat.testing.launch.run_ranks`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _case(config: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any])
     import torch.distributed as dist
 
     from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.testing.read_corpus import full_tensor, loss_scale, worse
+    from fsdp_compat.testing.parity import Diff, loss_scale, twin_step
     from fsdp_compat.testing.zoo import make_batch
 
     os.environ["FSDP_COMPAT_GUARD"] = "on" if guard else "off"
@@ -49,34 +49,19 @@ def _case(config: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any])
     record: dict[str, Any] = {"groups": [list(g.paths) for g in plan.groups]}
     batches = [make_batch("glm4v", seed=r) for r in range(world)]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=1e-3)
-    ref_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-3)
-    ref = dict(twin.named_parameters())
-    worst = 0.0
+    twin_trainable = [p for p in twin.parameters() if p.requires_grad]
+    opts = torch.optim.AdamW(trainable, lr=1e-3), torch.optim.AdamW(twin_trainable, lr=1e-3)
+    diff = Diff(absent_is_inf=True)  # a gradient on one side only (e.g. LoRA factors of a raw-read table): inf
+
+    def poison() -> None:
+        next(p for p in trainable if p.grad is not None).grad.mul_(float("nan"))
+
     losses = []
-    scale = loss_scale(mesh)
     for _ in range(cfg.get("steps", 2)):
-        loss = model(**batches[rank]).loss
-        (loss * scale if scale != 1.0 else loss).backward()
-        for batch in batches:
-            (twin(**batch).loss / world).backward()
-        if cfg.get("poison"):
-            next(p for p in trainable if p.grad is not None).grad.mul_(float("nan"))
-        for name, p in model.named_parameters():
-            got, want = (None if p.grad is None else full_tensor(p.grad)), ref[name].grad
-            if got is None or want is None:  # unused by this forward (e.g. LoRA factors of a raw-read table)
-                worst = worse(worst, 0.0 if got is None and want is None else float("inf"))
-            else:
-                worst = worse(worst, float((got - want).abs().max()))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                worst = worse(worst, float((full_tensor(p) - ref[name]).abs().max()))
-        losses.append(float(loss.detach()))
-    record.update(max_abs_diff=worst, losses=losses, trainable=len(trainable))
+        step = twin_step(model, twin, opts, batches, rank, (diff, diff), scale=loss_scale(mesh),
+                         before_compare=poison if cfg.get("poison") else None)
+        losses.append(float(step.loss.detach()))
+    record.update(max_abs_diff=diff.abs, losses=losses, trainable=len(trainable))
     return record
 
 

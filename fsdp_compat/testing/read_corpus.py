@@ -3,7 +3,7 @@
 Every pattern is a tiny module tree: a root with an ``nn.Embedding`` (``emb``, a candidate for its own FSDP2 group
 under every policy), a layer ``Block`` and whatever the pattern needs; its forward returns a scalar loss and, on a
 real run, reads ``emb``'s parameter in the pattern's way. :func:`corpus_rank` (a rank routine for
-:func:`fsdp_compat.testing.harness.run_ranks`) trains each pattern under ``fsdp_compat.apply_fsdp2`` with a given
+:func:`fsdp_compat.testing.launch.run_ranks`) trains each pattern under ``fsdp_compat.apply_fsdp2`` with a given
 policy and guard setting and compares it with an unsharded twin built from the same seed (a twin, not a deep copy:
 hooks and closures would still point at the sharded model).
 """
@@ -11,7 +11,6 @@ hooks and closures would still point at the sharded model).
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import os
 import traceback
@@ -25,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_compat.testing.parity import _full as full_tensor  # a DTensor's full value (a collective)
+from fsdp_compat.testing.parity import Diff, loss_scale, twin_step, worse
 
-__all__ = ["PATTERNS", "corpus_rank", "full_tensor", "loss_scale", "run_cases", "worse"]
+__all__ = ["PATTERNS", "corpus_rank", "run_cases", "worse"]
 
 VOCAB, DIM = 8, 4
 
@@ -673,22 +672,13 @@ def _ids(rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(100 + rank))
 
 
-def worse(worst: float, x: float) -> float:
-    """The running maximum of a comparator, NaN-sticky: ``max(worst, nan)`` keeps ``worst``, this returns nan."""
-    return worst if x <= worst or math.isnan(worst) else x
+def _call(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids)
 
 
-_SCALES: dict[int, float] = {}
-
-
-def loss_scale(mesh: Any) -> float:
-    """1 / what FSDP2 does to gradients across ranks on this torch and backend (torch 2.8's FSDP2 over gloo sums
-    instead of averaging): the sharded model's loss is scaled by it so the mean-loss comparison holds everywhere."""
-    if id(mesh) not in _SCALES:
-        from fsdp_compat.testing.harness import gradient_reduction_factor
-
-        _SCALES[id(mesh)] = 1.0 / gradient_reduction_factor(mesh)
-    return _SCALES[id(mesh)]
+def _poison(model: nn.Module) -> None:
+    """Multiply one gradient by NaN: the control that the comparator fails on NaN."""
+    next(p for p in model.parameters() if p.grad is not None).grad.mul_(float("nan"))
 
 
 def _train(name: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -711,36 +701,15 @@ def _train(name: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) 
         "groups": [list(g.paths) for g in plan.groups],
         "no_reshard": [list(g.paths) for g in plan.groups if g.overrides.get("reshard_after_forward") is False],
     }
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
-    ref_params = dict(twin.named_parameters())
-    worst = 0.0
+    opts = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    diff = Diff(absent_is_inf=True)
     batches = [_ids(r) for r in range(world)]
-    scale = loss_scale(mesh)
+    perturb = 1 + 1e-6 if cfg.get("perturb") else 1.0  # (loss * p) / 2 == (loss / 2) * p: halving is exact
     for _ in range(cfg.get("steps", 2)):
-        loss = model(batches[rank])
-        (loss * scale if scale != 1.0 else loss).backward()
-        for ids in batches:
-            ref_loss = twin(ids) / world
-            if cfg.get("perturb"):
-                ref_loss = ref_loss * (1 + 1e-6)
-            ref_loss.backward()
-        if cfg.get("poison"):
-            next(p for p in model.parameters() if p.grad is not None).grad.mul_(float("nan"))
-        for pname, p in model.named_parameters():
-            got, ref = full_tensor(p.grad), ref_params[pname].grad
-            if got is None or ref is None:
-                worst = worse(worst, 0.0 if got is None and ref is None else float("inf"))
-                continue
-            worst = worse(worst, float((got - ref).abs().max()))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                worst = worse(worst, float((full_tensor(p) - ref_params[pname]).abs().max()))
-    record["max_abs_diff"] = worst
+        twin_step(model, twin, opts, batches, rank, (diff, diff), scale=loss_scale(mesh), loss=_call,
+                  ref_loss=(lambda m, ids: m(ids) * perturb) if perturb != 1.0 else None,
+                  before_compare=(lambda: _poison(model)) if cfg.get("poison") else None)
+    record["max_abs_diff"] = diff.abs
     return record
 
 

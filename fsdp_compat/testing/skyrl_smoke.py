@@ -27,7 +27,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from fsdp_compat.known_limits import SKYRL_GLM4V_POLICY_RELEASES, skyrl_loads_glm4v
-from fsdp_compat.testing.harness import SmokeRow, format_smoke_table, run_training
+from fsdp_compat.testing.parity import run_training
+from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
 __all__ = [
     "ENV_CONFIG",

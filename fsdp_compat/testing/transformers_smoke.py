@@ -7,9 +7,9 @@ itself; :func:`save_tiny` writes a tiny real model with ``save_pretrained``. Eac
 transformers, and unsharded as the single-process reference) and trains both for ``steps`` AdamW steps,
 data-parallel: each rank on its own micro-batch (seed ``seed + rank``, ``variants[rank]`` for a vision-language
 model, e.g. ``["image", "text"]``), the reference on all the ranks' micro-batches with the mean loss
-(:func:`~fsdp_compat.testing.harness.reference_backward`). It reports the largest gradient and parameter
-differences; with 2 ranks they are exactly 0.0 where the plan is correct. Process handling is the harness's
-(:func:`~fsdp_compat.testing.harness.run_ranks`).
+(:func:`~fsdp_compat.testing.parity.twin_step`). It reports the largest gradient and parameter differences; with 2
+ranks they are exactly 0.0 where the plan is correct. Process handling is
+:func:`~fsdp_compat.testing.launch.run_ranks`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_compat.testing.harness import (
-    RankResult,
-    RunResult,
-    _Diff,
-    _full,
-    _mixed_batch_counters,
-    gradient_reduction_factor,
-    rank_batches,
-    reference_backward,
-    run_ranks,
-)
+from fsdp_compat.testing.launch import RankResult, RunResult, run_ranks
+from fsdp_compat.testing.parity import Diff, _mixed_batch_counters, loss_scale, rank_batches, twin_step
 
 __all__ = [
     "GLM4V_USER_PLAN",
@@ -127,7 +118,7 @@ def tiny_batch(name: str, *, seed: int = 0) -> dict[str, Any]:
 
 
 def tiny_batches(name: str, world_size: int, *, seed: int = 0, variants: list[str] | None = None) -> list[Any]:
-    """Every rank's micro-batch (the harness's :func:`~fsdp_compat.testing.harness.rank_batches`): rank r's seed
+    """Every rank's micro-batch (:func:`~fsdp_compat.testing.parity.rank_batches`): rank r's seed
     is ``seed + r``, ``variants[r]`` its kind for a vision-language model."""
     cfg = {"model": TINY[name][2], "seed": seed, "world_size": world_size, "variants": variants}
     return rank_batches(cfg, "cpu")
@@ -181,7 +172,7 @@ def init_gloo(cfg: dict[str, Any], rank: int) -> None:
 
 def fsdp_groups(model: Any) -> list[list[str]]:
     """The FSDP2 groups as module paths (``fully_shard([a, b])`` is one entry with both; "" is the root)."""
-    from fsdp_compat.testing.harness import _fsdp_group_sets
+    from fsdp_compat.testing.parity import _fsdp_group_sets
 
     return _fsdp_group_sets(model)
 
@@ -199,28 +190,14 @@ def train_against_reference(
         for module in m.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    ref_params = dict(reference.named_parameters())
-    grads, params = _Diff(), _Diff()
+    opts = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    grads, params = Diff(), Diff()
     losses: list[float] = []
     ref_losses: list[float] = []
     for _ in range(steps):
-        loss = model(**batches[rank]).loss
-        (loss * scale if scale != 1.0 else loss).backward()
-        ref_losses.append(float(reference_backward(reference, batches)[rank]))
-        named = list(model.named_parameters())
-        with torch.no_grad():
-            for pname, p in named:
-                grads.add(pname, _full(p.grad), ref_params[pname].grad)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for pname, p in named:
-                params.add(pname, _full(p), ref_params[pname])
-        losses.append(float(loss.detach()))
+        step = twin_step(model, reference, opts, batches, rank, (grads, params), scale=scale)
+        ref_losses.append(float(step.ref_losses[rank]))
+        losses.append(float(step.loss.detach()))
     return {
         "losses": losses,
         "reference_losses": ref_losses,
@@ -245,9 +222,9 @@ def train_native(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankR
     reference = cls.from_pretrained(cfg["model_dir"], **load)
     from torch.distributed.device_mesh import init_device_mesh
 
-    factor = gradient_reduction_factor(init_device_mesh("cpu", (cfg["world_size"],)))  # torch 2.8 + gloo: sums
+    scale = loss_scale(init_device_mesh("cpu", (cfg["world_size"],)))  # torch 2.8 + gloo sums gradients
     batches = tiny_batches(cfg["name"], cfg["world_size"], seed=cfg.get("seed", 0), variants=cfg.get("variants"))
-    result = train_against_reference(model, reference, batches, rank, cfg["steps"], scale=1.0 / factor)
+    result = train_against_reference(model, reference, batches, rank, cfg["steps"], scale=scale)
     extra["worst_param"] = result.pop("worst")
     extra["reference_losses"] = result.pop("reference_losses")
     extra["mixed_batches"] = _mixed_batch_counters(model)

@@ -25,7 +25,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from fsdp_compat.testing.harness import SmokeRow, format_smoke_table, run_training
+from fsdp_compat.testing.parity import run_training
+from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
 __all__ = [
     "ADAPTER_MODULE",

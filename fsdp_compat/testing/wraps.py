@@ -1,4 +1,4 @@
-"""Wrap functions for :func:`fsdp_compat.testing.harness.run_training`, named as ``"module:function"``.
+"""Wrap functions for :func:`fsdp_compat.testing.parity.run_training`, named as ``"module:function"``.
 
 ``core_<policy>(model, fsdp_kwargs)`` applies fsdp-compat's own planner with that policy and returns the plan
 as text. The ``_test_*`` functions are test-only: hand-written ``fully_shard`` wraps that do not depend on the

@@ -1,0 +1,206 @@
+"""The distributed harness detects parity, real crashes, failing and hanging ranks, and leaves no process.
+
+These use hand-written ``fully_shard`` wraps from ``fsdp_compat.testing.wraps`` (``_test_*``), so they check
+the harness independently of fsdp-compat's planner.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH
+from fsdp_compat.testing.launch import RankResult, RunResult
+from fsdp_compat.testing.parity import run_training
+from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
+
+W = "fsdp_compat.testing.wraps:"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_glm4v_parity_with_safe_wrap() -> None:
+    result = run_training(
+        "glm4v", W + "_test_layers_and_input", steps=3, probe=W + "_test_probe", env={"FSDP_COMPAT_TEST_MARK": "m1"}
+    )
+    result.raise_for_error()
+    print(
+        f"glm4v layers+input: Δgrad={result.max_abs_grad_diff} Δparam={result.max_abs_param_diff} "
+        f"step {result.step_time_s:.3f}s run {result.seconds:.1f}s"
+    )
+    assert result.ok and result.error is None
+    assert len(result.ranks) == 2
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
+    assert result.max_rel_grad_diff == 0.0 and result.max_rel_param_diff == 0.0
+    for r in result.ranks:
+        assert len(r.losses) == 3 and r.losses == r.extra["reference_losses"]
+        assert r.losses[-1] < r.losses[0]
+        assert r.step_time_s > 0
+        assert r.extra["probe"]["rank"] == r.rank and r.extra["probe"]["mark"] == "m1"
+        groups = r.extra["fsdp_groups"]
+        assert "" in groups and "model.language_model.embed_tokens" in groups
+        assert "model.visual.embeddings.position_embedding" not in groups
+        assert sorted(r.extra["fsdp_group_sets"]) == sorted([g] for g in groups)
+        assert _gone(r.extra["pid"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_glm4v_legacy_like_wrap_reproduces_grid_sampler_crash() -> None:
+    result = run_training("glm4v", W + "_test_every_embedding", steps=1)
+    assert not result.ok
+    assert result.error is not None and result.error.startswith("rank ")
+    assert GRID_SAMPLER_CRASH in result.error
+    assert "Traceback (most recent call last)" in result.error
+    assert "modeling_glm4v.py" in result.error and "grid_sample" in result.error
+    assert result.exception is not None and result.exception.startswith("RuntimeError: " + GRID_SAMPLER_CRASH)
+    assert "model.visual.embeddings.position_embedding" in result.ranks[0].extra["fsdp_groups"]
+    assert math.isnan(result.max_rel_grad_diff)
+    with pytest.raises(AssertionError, match="grid_sampler_2d"):
+        result.raise_for_error()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_failing_rank_reported_fast() -> None:
+    t = time.monotonic()
+    result = run_training("qwen2", W + "_test_raise_on_rank1", steps=2, timeout_s=90)
+    elapsed = time.monotonic() - t
+    print(f"failing rank reported after {elapsed:.1f}s")
+    assert not result.ok
+    rank0, rank1 = result.ranks
+    assert not rank1.ok and "deliberate failure on rank 1" in (rank1.error or "")
+    assert "Traceback" in (rank1.error or "")
+    assert result.error is not None and "deliberate failure on rank 1" in result.error
+    assert not rank0.ok  # blocked in a collective with a dead peer: killed or its own error, never "ok"
+    assert elapsed < 60  # far below the 90 s timeout: the parent does not wait for gloo
+    assert all(_gone(r.extra["pid"]) for r in result.ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hanging_rank_times_out_and_leaves_no_process() -> None:
+    t = time.monotonic()
+    result = run_training("qwen2", W + "_test_hang_on_rank1", steps=1, timeout_s=20)
+    elapsed = time.monotonic() - t
+    assert not result.ok
+    assert "timed out after 20s" in (result.ranks[1].error or "")
+    assert 20 <= elapsed < 40
+    assert all(_gone(r.extra["pid"]) for r in result.ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tied_parameter_group_recorded_with_parity() -> None:
+    result = run_training("glm4v-tied", W + "_test_tied_pair", steps=2)
+    result.raise_for_error()
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
+    sets = result.ranks[0].extra["fsdp_group_sets"]
+    assert ["model.language_model.embed_tokens", "lm_head"] in sets
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_world_size_one() -> None:
+    result = run_training("qwen2", W + "_test_root_only", world_size=1, steps=2)
+    result.raise_for_error()
+    assert len(result.ranks) == 1
+    assert result.max_rel_grad_diff <= 1e-6 and result.max_rel_param_diff <= 1e-6
+    assert result.ranks[0].extra["fsdp_groups"] == [""]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_missing_wrap_fn_is_reported() -> None:
+    result = run_training("qwen2", W + "_no_such_function", world_size=1, steps=1, timeout_s=60)
+    assert not result.ok and "AttributeError" in (result.error or "")
+
+
+def test_wrap_fn_must_be_importable() -> None:
+    with pytest.raises(FsdpCompatError, match="module:function"):
+        run_training("qwen2", lambda m, k: None)  # type: ignore[arg-type]
+
+
+def test_run_result_properties() -> None:
+    ok = RankResult(0, True, [1.0], 0.0, 0.0, 1e-9, 1e-9, 0.1, None, {})
+    bad = RankResult(1, False, error="Traceback ...\nValueError: boom", extra={"exception": "ValueError: boom"})
+    run = RunResult([ok, bad])
+    assert not run.ok
+    assert run.error == "rank 1: Traceback ...\nValueError: boom"
+    assert run.exception == "ValueError: boom"
+    assert run.max_abs_param_diff == 1e-9
+    with pytest.raises(AssertionError, match="rank 1"):
+        run.raise_for_error()
+    assert RunResult([ok]).ok and not RunResult([]).ok
+
+
+def test_smoke_rows_and_table() -> None:
+    crash = SmokeRow(
+        "core",
+        "legacy",
+        "crash",
+        "crash",
+        "RuntimeError: " + GRID_SAMPLER_CRASH,
+        None,
+        None,
+        5.0,
+        expect_text=GRID_SAMPLER_CRASH,
+    )
+    parity = SmokeRow("core", "auto", "ok", "ok", "parity Δgrad=0 Δparam=0", 0.0, 0.0, 6.0)
+    wrong_crash = SmokeRow(
+        "core",
+        "legacy",
+        "crash",
+        "crash",
+        "TypeError: other",
+        None,
+        None,
+        1.0,
+        expect_text=GRID_SAMPLER_CRASH,
+    )
+    drift = SmokeRow("core", "auto", "ok", "ok", "parity", 1e-3, 0.0, 6.0)
+    ulp = SmokeRow("core", "auto", "ok", "ok", "parity", 0.0, 1e-7, 6.0)  # exact means 0.0, not "close"
+    ulp_allowed = SmokeRow("core", "auto", "ok", "ok", "parity", 0.0, 1e-7, 6.0, tolerance=1e-6)
+    nan = SmokeRow("core", "auto", "ok", "ok", "parity", float("nan"), 0.0, 6.0, tolerance=1e-6)
+    unexpected_ok = SmokeRow("core", "legacy", "crash", "ok", "parity", 0.0, 0.0, 6.0)
+    assert crash.passed and parity.passed and ulp_allowed.passed
+    assert not wrong_crash.passed and not drift.passed and not unexpected_ok.passed
+    assert not ulp.passed and not nan.passed
+    table = format_smoke_table([crash, parity, drift])
+    lines = table.splitlines()
+    assert lines[0].split()[:6] == ["framework", "case", "expected", "outcome", "result", "seconds"]
+    assert "PASS" in lines[2] and "FAIL" in lines[4] and GRID_SAMPLER_CRASH in lines[2]
+    print("\n" + table)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_core_smoke() -> None:
+    pytest.importorskip("fsdp_compat.apply")
+    from fsdp_compat.testing.core_smoke import run
+
+    rows = run()
+    print("\n" + format_smoke_table(rows))
+    assert [(r.case, r.outcome) for r in rows] == [
+        ("legacy", "crash"),
+        ("auto", "ok"),
+        ("auto, rank 1 without images, alignment off", "crash"),
+        ("auto, rank 1 without images", "ok"),
+    ]
+    assert all(r.passed for r in rows)
+    assert [r.max_rel_grad_diff for r in rows if r.outcome == "ok"] == [0.0, 0.0]

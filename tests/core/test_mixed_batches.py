@@ -1,0 +1,180 @@
+"""Mixed micro-batches through the direct API (``fsdp_compat.apply_fsdp2``, policy auto): some ranks have images,
+others none, and every rank's FSDP2 collectives stay in step.
+
+Each case first shows the failure without fsdp-compat's alignment (``FSDP_COMPAT_MIXED_BATCHES=off``: gloo aborts
+with "Received data size doesn't match expected size"), then trains with it and equals one process training on all
+the ranks' micro-batches with the mean of their losses: gradients after each backward and parameters after each
+AdamW step, asserted ``== 0.0`` (2 ranks: the reference's per-micro-batch ``loss / 2`` backward sums gradients the
+way FSDP2's reduce-scatter does). The stacks' own paths (SkyRL, transformers' native FSDP2, AReaL, verl's engine)
+are tested in their own files.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import DEVICE, WORLD_SIZE
+
+from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode
+from fsdp_compat.testing.launch import RunResult
+from fsdp_compat.testing.parity import run_training
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+AUTO = "fsdp_compat.testing.wraps:core_auto"
+MISMATCH = "Received data size doesn't match expected size"
+# One rank with images, the others none (on GPU: one NCCL rank per GPU, rank 0 the image rank).
+IMAGE_AND_TEXT = ["image"] + ["text"] * (max(WORLD_SIZE, 2) - 1)
+WORLD = len(IMAGE_AND_TEXT)
+FAMILY_MODELS = ["glm4v", "glm4v-moe", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+
+
+def _run(model: str, variants: list[str], mode: str = "sync", timeout_s: float = 90.0, wrap: str = AUTO) -> RunResult:
+    return run_training(
+        model,
+        wrap,
+        world_size=len(variants),
+        steps=2,
+        device=DEVICE,
+        timeout_s=timeout_s,
+        variants=variants,
+        env={"FSDP_COMPAT_MIXED_BATCHES": mode},
+    )
+
+
+def _assert_exact(run: RunResult) -> None:
+    run.raise_for_error()
+    assert run.max_abs_grad_diff == 0.0, run.ranks[0].extra.get("worst_grad_param")
+    assert run.max_abs_param_diff == 0.0, run.ranks[0].extra.get("worst_param")
+    for r in run.ranks:  # every rank's loss is the one-process loss of its own micro-batch, every step
+        assert r.losses == r.extra["reference_losses"]
+
+
+def _assert_mismatch(run: RunResult) -> None:
+    assert not run.ok
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
+    if DEVICE == "cpu":
+        assert MISMATCH in text, text[-3000:]
+    else:  # NCCL: a hang, ended by the harness deadline
+        assert "timed out" in text, text[-3000:]
+
+
+def _dummy_calls(run: RunResult) -> list[int]:
+    return [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks]
+
+
+@pytest.mark.parametrize("model", FAMILY_MODELS)
+def test_rank_without_images_crashes_then_trains_exactly(model: str) -> None:
+    _assert_mismatch(_run(model, IMAGE_AND_TEXT, mode="off", timeout_s=60.0))
+    run = _run(model, IMAGE_AND_TEXT)
+    _assert_exact(run)
+    # rank 0 never needed a dummy; every text rank ran one per forward (2 steps)
+    assert _dummy_calls(run) == [0] + [2] * (WORLD - 1)
+    assert all(r.extra["mixed_batches"]["exchanges"] == 2 for r in run.ranks)
+
+
+def test_tower_without_groups_of_its_own_still_falls_out_of_step() -> None:
+    """The whole vision tower in the root group: no vision all-gather to skip, but the root reduce-scatters only the
+    parameters that got a gradient, so the image-less rank's reduce-scatter is smaller. Aligned, it is exact."""
+    wrap = "fsdp_compat.testing.wraps:core_auto_text_layers"
+    off = _run("glm4v", IMAGE_AND_TEXT, mode="off", timeout_s=60.0, wrap=wrap)
+    _assert_mismatch(off)
+    assert "reduce_scatter" in "\n".join(r.error or "" for r in off.ranks)
+    run = _run("glm4v", IMAGE_AND_TEXT, wrap=wrap)
+    _assert_exact(run)
+    assert not any(path.startswith("model.visual") for path in run.ranks[0].extra["fsdp_groups"])
+    assert _dummy_calls(run) == [0] + [2] * (WORLD - 1)
+
+
+def test_no_rank_has_images_runs_no_tower() -> None:
+    """No rank has vision input: no rank runs the tower, the tower gets no (zero) gradient, and AdamW leaves it
+    alone exactly as one process would."""
+    run = _run("qwen2-vl", ["text"] * WORLD)
+    _assert_exact(run)
+    assert _dummy_calls(run) == [0] * WORLD
+
+
+def test_images_on_every_rank_different_counts() -> None:
+    run = _run("qwen2-vl", ["image", "three-images"] + ["text"] * (WORLD - 2))
+    _assert_exact(run)
+    assert _dummy_calls(run)[:2] == [0, 0]
+
+
+def test_images_and_videos_on_one_rank_only() -> None:
+    """Rank 0 calls the tower twice (images, then videos); the others top up to two calls."""
+    run = _run("qwen2-vl", ["image+video"] + ["image"] * (WORLD - 1))
+    _assert_exact(run)
+    assert _dummy_calls(run) == [0] + [2] * (WORLD - 1)  # one dummy per forward, 2 steps
+    run = _run("qwen2.5-vl", ["image+video"] + ["text"] * (WORLD - 1))
+    _assert_exact(run)
+    assert _dummy_calls(run) == [0] + [4] * (WORLD - 1)
+
+
+def test_always_mode_skips_the_exchange_but_cannot_count_videos() -> None:
+    """``always`` (verl's way: a dummy wherever input is missing, no exchange) trains an image/text mix exactly, but
+    a rank with images and videos calls the tower twice and the others once: the collectives fall out of step."""
+    run = _run("glm4v", IMAGE_AND_TEXT, mode="always")
+    _assert_exact(run)
+    assert all(r.extra["mixed_batches"]["exchanges"] == 0 for r in run.ranks)
+    _assert_mismatch(_run("qwen2-vl", ["image+video"] + ["text"] * (WORLD - 1), mode="always", timeout_s=60.0))
+
+
+def test_always_mode_gives_the_tower_zero_gradients_on_all_text_steps() -> None:
+    """Why ``sync`` is the default: with no image anywhere, ``always`` still runs the tower, so its parameters get
+    zero gradients (not none) and AdamW's weight decay moves them where one process would not touch them."""
+    run = _run("glm4v", ["text"] * WORLD, mode="always")
+    run.raise_for_error()
+    assert run.max_abs_grad_diff == 0.0  # the zero gradients equal the reference's missing ones
+    assert run.max_abs_param_diff > 0.0
+    assert run.ranks[0].extra["worst_param"].startswith("model.visual.")
+
+
+def test_vlm_outside_the_table_fails_on_every_rank_with_one_clear_error() -> None:
+    """LLaVA (CLIP tower, no grid): without alignment the collectives fall out of step; with it every rank raises
+    the same FsdpCompatError, naming the model class, the ranks and the fix, before any collective is issued."""
+    _assert_mismatch(_run("llava", IMAGE_AND_TEXT, mode="off", timeout_s=60.0))
+    run = _run("llava", IMAGE_AND_TEXT)
+    assert not run.ok
+    for r in run.ranks:
+        exception = r.extra.get("exception", "")
+        assert exception.startswith("fsdp_compat.errors.FsdpCompatError: fsdp-compat: mixed"), r.error
+        text = r.error or ""
+        assert "LlavaForConditionalGeneration" in text
+        assert f"rank(s) {', '.join(map(str, range(1, WORLD)))} have no pixel_values" in text
+        assert "rank(s) 0 do" in text
+        assert "model.vision_tower" in text and "Fix:" in text
+    # the same model trains exactly when every rank has images (the error is only for the mixed case)
+    _assert_exact(_run("llava", ["image"] * WORLD))
+
+
+def test_family_table_rows_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = [f.name for f in FAMILIES]
+    assert len(names) == len(set(names))
+    for model in ("glm4v", "glm4v-moe", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"):
+        assert any(model == f.name for f in FAMILIES)
+    monkeypatch.setenv("FSDP_COMPAT_MIXED_BATCHES", "sometimes")
+    with pytest.raises(FsdpCompatError, match="sync, always, off"):
+        mixed_batches_mode()
+    monkeypatch.setenv("FSDP_COMPAT_MIXED_BATCHES", "off")
+    from fsdp_compat.testing.zoo import build_model
+
+    assert install_mixed_batches(build_model("glm4v")) == []
+    monkeypatch.setenv("FSDP_COMPAT_MIXED_BATCHES", "sync")
+    assert install_mixed_batches(build_model("qwen2")) == []  # a text model: nothing installed
+    model = build_model("glm4v")
+    first = install_mixed_batches(model)
+    assert len(first) == 1 and install_mixed_batches(model) == first  # idempotent
+
+
+def test_unsharded_model_is_untouched() -> None:
+    """Without FSDP2 groups in the tower (one process, no fully_shard) the hooks never exchange or add a dummy."""
+    import torch
+
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    model = build_model("glm4v")
+    reference = build_model("glm4v")
+    (hooks,) = install_mixed_batches(model)
+    batch = make_batch("glm4v", variant="text")
+    assert torch.equal(model(**batch).logits, reference(**batch).logits)
+    assert hooks.dummy_calls == 0 and hooks.exchanges == 0

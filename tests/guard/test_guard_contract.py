@@ -1,0 +1,63 @@
+"""The FSDP2 internals the run-time guard relies on, checked on the torch under test, and its stand-aside path.
+
+``fsdp_compat.guard`` uses private FSDP2 API (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``) that moves between
+torch releases. The first test exercises each one the way the guard does, on 2 gloo ranks, and fails naming the
+internal that no longer exists or behaves differently (e.g. a group with ``post_forward_mesh_info=None`` must still
+be unsharded after its forward). The others force the stand-aside path (an internal hidden from the guard) and
+show training continues exactly as without the guard (0.0 against the mean-loss twin, each rank its own batch),
+with exactly one warning per rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import WORLD_SIZE
+
+from fsdp_compat.guard import ENV_GUARD
+from fsdp_compat.testing.launch import run_ranks
+
+MODELS = "fsdp_compat.testing.guard_models"
+STOOD_ASIDE = "fsdp-compat: run-time guard disabled"
+CHECKS = 17  # every check of guard_models.contract_rank (a check lost on the way must show up here)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_every_fsdp2_internal_the_guard_uses_behaves_as_it_assumes() -> None:
+    run = run_ranks(f"{MODELS}:contract_rank", {}, world_size=WORLD_SIZE, timeout_s=60)
+    run.raise_for_error()
+    for rank in run.ranks:
+        checks = rank.extra["checks"]
+        failed = {name: seen for name, (holds, seen) in checks.items() if not holds}
+        assert not failed, failed
+        assert len(checks) == CHECKS, sorted(checks)
+
+
+def _dp(env: dict[str, str | None], **cfg: object) -> list[dict]:
+    run = run_ranks(f"{MODELS}:dp_rank", {"model": "passed_embedding", "policy": "auto", **cfg},
+                    world_size=WORLD_SIZE, timeout_s=60, env=env)
+    run.raise_for_error()
+    return [rank.extra for rank in run.ranks]
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        ["FSDPState._fsdp_param_groups", "FSDPState._fsdp_param_group"],  # the groups cannot be found
+        ["FSDPState._state_ctx"],  # the root cannot be found
+        ["FSDPParam.sharded_param"],  # the sharded parameters cannot be indexed
+    ],
+    ids=["param-groups", "state-ctx", "sharded-param"],
+)
+def test_a_missing_internal_stands_aside_and_training_continues_as_without_the_guard(hidden: list[str]) -> None:
+    """``auto`` plans ``passed_embedding`` safely (the guard stays idle): with an internal hidden from the guard,
+    3 steps train exactly as with the guard off (same losses, 0.0 against the twin), one warning per rank."""
+    off = _dp({ENV_GUARD: "off"}, steps=3)
+    broken = _dp({ENV_GUARD: None}, steps=3, hide=hidden)
+    for o, b in zip(off, broken, strict=True):
+        assert o["max_abs_diff"] == 0.0 and b["max_abs_diff"] == 0.0, (o, b)
+        assert b["losses"] == o["losses"], (o["losses"], b["losses"])
+        assert b["guard"] and b["stood_aside"] and b["unshards"] == 0, b
+        warnings = [line for line in b["log"] if line.startswith(STOOD_ASIDE)]
+        assert len(warnings) == 1 and "AttributeError" in warnings[0], b["log"]
+        assert not [line for line in o["log"] if line.startswith(STOOD_ASIDE)]

@@ -1,0 +1,255 @@
+"""transformers' native FSDP2: ``from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=2))``.
+
+Each distributed case first reproduces the real crash with fsdp-compat switched off (``FSDP_COMPAT=off``: the
+``.pth`` hook stays out), then trains the same checkpoint with fsdp-compat installed (the hook patches
+``transformers.distributed.fsdp`` the moment ``from_pretrained`` imports it) at exact parity with one process: fp32,
+2 gloo ranks, each on its own micro-batch, 2 AdamW steps, against one process training on both ranks' micro-batches
+with the mean loss; gradients after each backward and parameters after each AdamW step are asserted ``== 0.0``, and
+each rank's loss equals the reference's loss of its own micro-batch. The mixed case (rank 0 images, rank 1 text only,
+vision blocks sharded by the user's plan) shows gloo's collective mismatch with fsdp-compat's mixed-batch alignment
+off (``FSDP_COMPAT_MIXED_BATCHES=off``), then the same exact parity with it on. Checkpoints are tiny real models
+written by ``save_pretrained``. Runs in the ``hf524`` tox env (the only one that collects
+this folder: a missing piece fails, never skips).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+from _support import require_framework
+
+transformers = importlib.import_module("transformers")
+# transformers < 5.16 (the core env) has no native FSDP2
+fsdp_module = require_framework(
+    "transformers' native FSDP2", lambda: importlib.import_module("transformers.distributed.fsdp")
+)
+
+from fsdp_compat.adapters import transformers as adapter  # noqa: E402
+
+from fsdp_compat.errors import FsdpCompatError  # noqa: E402
+from fsdp_compat.plan import plan_wrap  # noqa: E402
+from fsdp_compat.testing.transformers_smoke import (  # noqa: E402
+    GLM4V_USER_PLAN,
+    build_tiny,
+    describe,
+    run_native,
+    save_tiny,
+)
+from fsdp_compat.testing.zoo import build_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+OFF = {"FSDP_COMPAT": "off"}
+ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None}
+MIXED_OFF = {**ON, "FSDP_COMPAT_MIXED_BATCHES": "off"}
+MISMATCH = "Received data size doesn't match expected size"
+#: A user plan that shards GLM4V's vision blocks on their own (a large tower's usual choice).
+MIXED_PLAN = {"model.visual.blocks.*": "free_full_weight"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: save_tiny(name, root) for name in ("gemma4", "glm4v")}
+
+
+def resolved_plan(model, override=None) -> dict[str, str]:
+    """The concrete plan transformers hands to apply_fully_sharded_data_parallelism (no process group needed)."""
+    _, _, plan = model._resolve_parallel_plans(transformers.DistributedConfig(fsdp_size=2, fsdp_plan=override))
+    return plan
+
+
+def assert_exact(run) -> None:
+    """Difference 0.0 (not a tolerance): gradients and post-AdamW parameters, and each rank's own-batch loss."""
+    run.raise_for_error()
+    assert run.max_abs_grad_diff == 0.0, (run.max_abs_grad_diff, run.ranks[0].extra.get("worst_param"))
+    assert run.max_abs_param_diff == 0.0, (run.max_abs_param_diff, run.ranks[0].extra.get("worst_param"))
+    for rank in run.ranks:
+        assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra["reference_losses"])
+    assert run.ranks[0].losses != run.ranks[1].losses  # different data on every rank
+
+
+def fsdp_compat_lines(run) -> list[str]:
+    return [line for line in run.ranks[0].extra.get("log_tail", "").splitlines() if "fsdp_plan:" in line]
+
+
+# ------------------------------------------------------------------------------------ through from_pretrained
+
+
+def test_gemma4_builtin_plan_crashes_without_fsdp_compat(checkpoints):
+    run = run_native("gemma4", checkpoints["gemma4"], env=OFF)
+    assert not run.ok
+    assert "aten.where.self got mixed torch.Tensor and DTensor" in (run.exception or ""), run.error
+
+
+def test_gemma4_builtin_plan_exact_with_fsdp_compat(checkpoints):
+    run = run_native("gemma4", checkpoints["gemma4"], env=ON)
+    assert_exact(run)
+    groups = run.ranks[0].extra["fsdp_groups"]
+    assert ["model.language_model.embed_tokens"] not in groups
+    assert ["model.language_model.layers.0"] in groups and ["model.language_model.norm"] in groups
+    (line,) = fsdp_compat_lines(run)
+    assert line.startswith("fsdp-compat: Gemma4ForConditionalGeneration fsdp_plan: model.language_model.embed_tokens")
+
+
+def test_glm4v_user_plan_crashes_without_fsdp_compat(checkpoints):
+    run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=GLM4V_USER_PLAN, env=OFF)
+    assert not run.ok
+    assert "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor" in (run.exception or ""), run.error
+
+
+def test_glm4v_user_plan_exact_with_fsdp_compat(checkpoints):
+    run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=GLM4V_USER_PLAN, env=ON)
+    assert_exact(run)
+    groups = run.ranks[0].extra["fsdp_groups"]
+    assert ["model.visual.embeddings.position_embedding"] not in groups
+    assert ["model.language_model.embed_tokens"] in groups  # the safe rest of the plan is kept
+    (line,) = fsdp_compat_lines(run)
+    assert "model.visual.embeddings.position_embedding: no group of its own" in line
+
+
+def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
+    """Rank 0 an image micro-batch, rank 1 text only; the user's plan gives the vision blocks groups of their own
+    (transformers' built-in GLM4V plan leaves them in the root, where no mismatch can arise). transformers' forward
+    calls the tower only with pixel_values, so with the alignment off rank 1's text-layer all-gathers meet rank 0's
+    vision-block ones (gloo aborts); with fsdp-compat (installed by the adapter after transformers' plan) rank 1 runs
+    one zero dummy tower call per forward and both ranks equal one process on both micro-batches (0.0)."""
+    variants = ["image", "text"]
+    glm4v = checkpoints["glm4v"]
+    off = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=MIXED_OFF, variants=variants, timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert MISMATCH in text, text[-3000:]
+    run = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=ON, variants=variants)
+    assert_exact(run)
+    assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
+    assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
+
+
+def test_exported_plan_trains_exact_through_transformers_alone(checkpoints):
+    """``plan_wrap(...).to_transformers_fsdp_plan()`` passed by the user, fsdp-compat's adapter switched off."""
+    model = build_tiny("glm4v")
+    exported = plan_wrap(model).to_transformers_fsdp_plan(model)
+    assert exported["model.visual.blocks.*"] == "free_full_weight"
+    assert not any("position_embedding" in key for key in exported)
+    run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=exported, env=OFF)
+    assert_exact(run)
+    assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
+
+
+# --------------------------------------------------------------------------------------- the plan fixer alone
+
+
+@pytest.mark.parametrize("name", ["qwen2", "glm4v", "glm4v-tied"])
+def test_safe_builtin_plans_are_left_untouched(name):
+    model = build_model(name)
+    plan = resolved_plan(model)
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert changes == []
+    assert fixed == plan and list(fixed) == list(plan)
+
+
+def test_read_after_forward_becomes_keep_full_weight():
+    """qwen2-zloss reads lm_head.weight after calling lm_head: keeping it unsharded covers the read."""
+    model = build_model("qwen2-zloss")
+    plan = resolved_plan(model, {"lm_head": "free_full_weight"})
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert fixed == {**plan, "lm_head": "keep_full_weight"}
+    assert [(c.paths, c.action) for c in changes] == [(("lm_head",), "keep-full-weight")]
+
+
+def test_raw_read_before_forward_is_dropped_not_kept():
+    """A fused-kernel style read of lm_head.weight in the root, lm_head never called: only the root covers it."""
+    model = build_model("qwen2-fused-lmhead")
+    plan = resolved_plan(model)
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert "lm_head" not in fixed and fixed["model.norm"] == "keep_full_weight"
+    assert changes[0].action == "dropped" and changes[0].now_in == "<root>"
+
+
+def test_shared_weight_stays_in_one_group():
+    """T5: shared, encoder.embed_tokens and decoder.embed_tokens hold one weight (tied after sharding)."""
+    model = build_model("t5-shared")
+    plan = resolved_plan(model)
+    assert {"encoder.embed_tokens", "decoder.embed_tokens"} <= set(plan)
+    fixed, changes = adapter.fix_fsdp_plan(model, plan, fsdp_module.is_norm_and_head_pair)
+    assert "encoder.embed_tokens" not in fixed and "decoder.embed_tokens" not in fixed
+    assert all("hold one Parameter" in c.why for c in changes)
+
+
+def test_legacy_policy_passes_the_plan_through():
+    model = build_tiny("gemma4")
+    plan = resolved_plan(model)
+    seen: list[dict[str, str]] = []
+
+    def original(model, mesh_manager, fsdp_plan, ep_plan):
+        seen.append(fsdp_plan)
+        return model
+
+    original.__module__ = fsdp_module.__name__
+    adapter.make_apply_fully_sharded_data_parallelism(original, "legacy")(model, None, plan, {})
+    adapter.make_apply_fully_sharded_data_parallelism(original, "auto")(model, None, plan, {})
+    assert seen[0] == plan
+    assert "model.language_model.embed_tokens" not in seen[1]
+
+
+def test_adapter_replaced_the_function_in_both_modules():
+    """Importing transformers' FSDP module (the .pth hook) patched the definer and the mixin's by-name binding."""
+    from transformers.distributed import mixin
+
+    assert adapter.is_patched()
+    assert getattr(fsdp_module.apply_fully_sharded_data_parallelism, "__fsdp_compat__", False)
+    assert mixin.apply_fully_sharded_data_parallelism is fsdp_module.apply_fully_sharded_data_parallelism
+
+
+# ------------------------------------------------------------------------------------------------ the export
+
+
+def test_export_leaves_out_multi_module_groups_with_a_warning():
+    model = build_model("t5-shared")
+    plan = plan_wrap(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = plan.to_transformers_fsdp_plan(model)
+    assert exported["encoder.block.*"] == "free_full_weight"
+    assert not any("embed_tokens" in key or key == "shared" for key in exported)
+    assert any("cannot express" in str(w.message) and "shared" in str(w.message) for w in caught)
+    with pytest.raises(FsdpCompatError, match="cannot express"):
+        plan.to_transformers_fsdp_plan(model, strict=True)
+
+
+def test_export_keeps_no_reshard_groups_and_wildcards_layers():
+    model = build_model("qwen2-zloss")
+    exported = plan_wrap(model).to_transformers_fsdp_plan(model)
+    assert exported == {
+        "model.embed_tokens": "free_full_weight",
+        "model.layers.*": "free_full_weight",
+        "lm_head": "keep_full_weight",
+    }
+
+
+def test_expand_fsdp_plan_row_filters_the_target_lists():
+    """transformers 5.16-5.22 row: ``expand_fsdp_plan`` returns (reshard, no-reshard) target lists; the replacement
+    returns them without the unsafe entry (the shape of 5.16.1's function, which 5.24 no longer ships)."""
+    model = build_tiny("glm4v")
+    plan = {
+        **GLM4V_USER_PLAN,
+        "model.language_model.layers.0": "free_full_weight",
+        "model.language_model.norm": "keep_full_weight",
+    }
+
+    def expand_fsdp_plan(model, fsdp_plan):
+        targets = [(name, model.get_submodule(name)) for name in fsdp_plan]
+        return (
+            [t for t in targets if fsdp_plan[t[0]] != "keep_full_weight"],
+            [t for t in targets if fsdp_plan[t[0]] == "keep_full_weight"],
+        )
+
+    expand_fsdp_plan.__module__ = fsdp_module.__name__
+    reshard, keep = adapter.make_expand_fsdp_plan(expand_fsdp_plan, "auto")(model, plan)
+    assert [name for name, _ in reshard] == ["model.language_model.layers.0"]
+    assert [name for name, _ in keep] == ["model.language_model.norm"]

@@ -1,0 +1,29 @@
+"""Rank-side wrap fn for the outdated-wrap-list test: verl's own ``apply_fsdp2`` at its call site, with
+fsdp-compat's log records captured, so the test can see the warning a job shows.
+
+Imported in fresh rank interpreters (this folder on PYTHONPATH); it imports no fsdp_compat adapter itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def verl_outdated(model: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """verl's own ``apply_fsdp2`` at its call site (``FSDP_COMPAT_VERL_LAYERS`` names the wrap list)."""
+    records = _Records()
+    logging.getLogger("fsdp_compat").addHandler(records)
+    from fsdp_compat.testing.verl_smoke import wrap_verl
+
+    info = wrap_verl(model, fsdp_kwargs)
+    return {**info, "log": records.lines}
