@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import wrapt
 from fsdp_compat.adapters import ADAPTERS, AdapterEntry
 from packaging.version import Version
 
@@ -35,8 +36,6 @@ from fsdp_compat.activation import (
 )
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Patch
-
-wrapt = pytest.importorskip("wrapt")  # only for the interplay with other wrappers (a test dependency)
 
 _counter = itertools.count()
 

@@ -15,10 +15,6 @@ import warnings
 from typing import Any, ClassVar
 
 import pytest
-from packaging.version import Version
-
-pytest.importorskip("torch")
-
 from fsdp_compat.adapters import skyrl as skyrl_adapter
 from fsdp_compat.adapters.skyrl import (
     ADAPTER,
@@ -30,6 +26,7 @@ from fsdp_compat.adapters.skyrl import (
 from fsdp_compat.adapters.skyrl import (
     RELEASES as SKYRL_TABLE,
 )
+from packaging.version import Version
 from torch import nn
 
 from fsdp_compat.activation import Adapter, FsdpCompatWarning
@@ -97,7 +94,8 @@ def test_configured_layer_classes(config: Any, expected: list[str] | None) -> No
 
 
 def test_configured_layer_classes_on_dictconfig() -> None:
-    omegaconf = pytest.importorskip("omegaconf")
+    import omegaconf
+
     plain = omegaconf.OmegaConf.create({"cpu_offload": False, "reshard_after_forward": True, "fsdp_size": -1})
     assert configured_layer_classes(plain) is None
     listed = omegaconf.OmegaConf.create({"wrap_policy": {"transformer_layer_cls_to_wrap": ["A", "B"]}})
@@ -330,7 +328,6 @@ def test_module_api() -> None:
 
 def test_plan_is_the_same_on_the_meta_device() -> None:
     """skyrl 0.3.0+ move the model to the meta device right before apply_fsdp2: the plan must not change."""
-    pytest.importorskip("transformers")
     import copy
 
     from fsdp_compat.plan import plan_wrap

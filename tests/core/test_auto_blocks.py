@@ -24,8 +24,6 @@ from fsdp_compat import FsdpCompatError, plan_wrap
 from fsdp_compat.testing.launch import run_ranks
 from fsdp_compat.testing.parity import reference_backward
 
-pytest.importorskip("transformers")
-
 pytestmark = pytest.mark.timeout(300)
 
 TESTS = Path(__file__).resolve().parent

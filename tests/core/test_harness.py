@@ -12,9 +12,6 @@ import time
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH
 from fsdp_compat.testing.launch import RankResult, RunResult
@@ -191,7 +188,6 @@ def test_smoke_rows_and_table() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_core_smoke() -> None:
-    pytest.importorskip("fsdp_compat.apply")
     from fsdp_compat.testing.core_smoke import run
 
     rows = run()

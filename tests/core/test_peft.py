@@ -15,8 +15,6 @@ import math
 import pytest
 from conftest import WORLD_SIZE
 
-pytest.importorskip("peft", reason="peft is not installed in this env")
-
 from fsdp_compat.plan import plan_wrap
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH
 from fsdp_compat.testing.launch import run_ranks

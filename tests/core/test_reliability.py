@@ -437,11 +437,10 @@ def test_wrapped_forward_is_analysed_or_opaque(cls: type[nn.Module]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# peft (not in the core env: run with a venv that has peft, e.g. /work/venvs/verl091)
+# peft (a dependency of the core env)
 
 
 def test_peft_lora_with_modules_to_save() -> None:
-    pytest.importorskip("peft", reason="peft is not installed in this env (the core tox env has no peft)")
     from peft import LoraConfig, get_peft_model
 
     from fsdp_compat.testing.zoo import build_model

@@ -6,15 +6,12 @@ import json
 import time
 
 import pytest
+import torch
+from torch import nn
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from torch import nn  # noqa: E402
-
-from fsdp_compat.errors import FsdpCompatError  # noqa: E402
-from fsdp_compat.testing.skeleton import REFERENCE_NAMES, build_skeleton, reference_skeleton  # noqa: E402
-from fsdp_compat.testing.zoo import ZOO, build_model, make_batch  # noqa: E402
+from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.testing.skeleton import REFERENCE_NAMES, build_skeleton, reference_skeleton
+from fsdp_compat.testing.zoo import ZOO, build_model, make_batch
 
 pytestmark = pytest.mark.timeout(120)
 
