@@ -200,3 +200,22 @@ def test_core_smoke() -> None:
     ]
     assert all(r.passed for r in rows)
     assert [r.max_rel_grad_diff for r in rows if r.outcome == "ok"] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("order", ["nan first", "nan last"])
+def test_comparator_keeps_nan_whatever_comes_after(order: str) -> None:
+    """``parity.Diff`` and the cross-rank maxima never let a later finite value replace a NaN (the comparator before
+    this redesign lost it when a NaN parameter came before a finite one: 0.0 was reported)."""
+    import torch
+
+    from fsdp_compat.testing.parity import Diff
+
+    nan, finite = (torch.tensor([math.nan]), torch.tensor([1.0])), (torch.tensor([2.0]), torch.tensor([2.0]))
+    pairs = [nan, finite] if order == "nan first" else [finite, nan]
+    diff = Diff()
+    for i, (got, ref) in enumerate(pairs):
+        diff.add(f"p{i}", got, ref)
+    assert math.isnan(diff.abs) and math.isnan(diff.rel)
+    values = [math.nan, 0.0] if order == "nan first" else [0.0, math.nan]
+    run = RunResult([RankResult(rank=r, ok=True, max_abs_grad_diff=v) for r, v in enumerate(values)])
+    assert math.isnan(run.max_abs_grad_diff)  # one rank's NaN fails the run
