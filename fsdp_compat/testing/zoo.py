@@ -187,14 +187,23 @@ _GLM_TEXT = dict(
 )
 
 
-def _glm4v(tied: bool) -> nn.Module:
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+def glm4v_config(*, tied: bool = False, vision: dict[str, Any] | None = None) -> Any:
+    """The tiny GLM4V's config (eager attention): the zoo's vision tower unless ``vision`` replaces it (the verl
+    engine tests use a patch-14 tower, the size verl's own dummy image has)."""
+    from transformers import Glm4vConfig
 
     # transformers 5 ties on the top-level flag; 4.57 on text_config's: set both so "tied" ties in either.
     text = dict(_GLM_TEXT, tie_word_embeddings=tied, **_rope(10000.0, partial=0.5, mrope=[2, 3, 3]))
-    config = Glm4vConfig(text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=tied, **_GLM_TOKENS)
+    vision_config = dict(vision or _GLM_VISION)
+    config = Glm4vConfig(text_config=text, vision_config=vision_config, tie_word_embeddings=tied, **_GLM_TOKENS)
     config._attn_implementation = "eager"
-    return Glm4vForConditionalGeneration(config)
+    return config
+
+
+def _glm4v(tied: bool) -> nn.Module:
+    from transformers import Glm4vForConditionalGeneration
+
+    return Glm4vForConditionalGeneration(glm4v_config(tied=tied))
 
 
 def _glm4v_moe() -> nn.Module:

@@ -344,27 +344,14 @@ P14_ROWS: dict[str, list[list[int] | None]] = {
 
 
 def build_glm4v_p14(seed: int = 0) -> Any:
-    """The zoo's tiny GLM4V text model with a patch-14 vision tower (transformers 5 config keys), fp32, eager."""
+    """The zoo's tiny GLM4V (untied) with a patch-14 vision tower, fp32, eager."""
     import torch
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+    from transformers import Glm4vForConditionalGeneration
 
-    text = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                         "mrope_section": [2, 3, 3]},
-    )
-    tokens = dict(image_token_id=IMAGE_TOKEN, video_token_id=11, image_start_token_id=12, image_end_token_id=13,
-                  video_start_token_id=14, video_end_token_id=15)
-    config = Glm4vConfig(text_config=text, vision_config=dict(P14_VISION), tie_word_embeddings=False, **tokens)
-    config._attn_implementation = "eager"
+    from fsdp_compat.testing.zoo import glm4v_config
+
+    config = glm4v_config(vision=P14_VISION)
+    assert config.image_token_id == IMAGE_TOKEN
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Glm4vForConditionalGeneration(config)
