@@ -8,7 +8,7 @@ and sharded under ``auto``, resumes to step 4, saves, and loads those into ``leg
 verl/SkyRL gather, the loss trajectory. Each rank trains on its own micro-batch; the unsharded reference trains on
 all the ranks' micro-batches with the mean loss, and every rank's losses and post-AdamW parameters equal it (0.0).
 
-Patching (issue item 3) and the harness's timeouts (item 4) are covered by tests/activation/test_activation.py
+Patching (issue item 3) and the harness's timeouts (item 4) are covered by tests/activation/test_patching.py
 and tests/core/test_harness.py.
 """
 

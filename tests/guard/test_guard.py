@@ -266,8 +266,10 @@ def test_a_no_grad_forward_between_forward_and_backward_keeps_the_held_group() -
 def test_an_internals_change_met_at_a_read_stands_aside(hidden: str) -> None:
     """Every call into FSDP2 internals is inside the stand-aside path: an internal the guard cannot use, met at a
     read (after discovery worked), gives one warning per rank and FSDP2's own behaviour, here the same crash as with
-    the guard off, never the guard's AttributeError."""
-    result = _dp("passed_embedding", "legacy", ON, hide=[hidden], steps=1)
+    the guard off, never the guard's AttributeError. ``linger_s``: rank 0 hosts the store here and keeps it up until
+    the other rank failed too (as torchrun's agent does), so a rank still agreeing through the store when its peer
+    crashed is not cut off (without it, a loaded machine showed 'DistNetworkError: Failed to recv' on that rank)."""
+    result = _dp("passed_embedding", "legacy", ON, hide=[hidden], steps=1, linger_s=20)
     assert not result.ok
     for rank in result.ranks:
         assert MIXED in rank.extra.get("exception", ""), rank.error

@@ -15,7 +15,6 @@ this folder: a missing piece fails, never skips).
 from __future__ import annotations
 
 import importlib
-import warnings
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ fsdp_module = require_framework(
 
 from fsdp_compat.adapters import transformers as adapter  # noqa: E402
 
-from fsdp_compat.errors import FsdpCompatError  # noqa: E402
 from fsdp_compat.plan import plan_wrap  # noqa: E402
 from fsdp_compat.testing.transformers_smoke import (  # noqa: E402
     GLM4V_USER_PLAN,
@@ -204,32 +202,6 @@ def test_adapter_replaced_the_function_in_both_modules():
     assert adapter.is_patched()
     assert getattr(fsdp_module.apply_fully_sharded_data_parallelism, "__fsdp_compat__", False)
     assert mixin.apply_fully_sharded_data_parallelism is fsdp_module.apply_fully_sharded_data_parallelism
-
-
-# ------------------------------------------------------------------------------------------------ the export
-
-
-def test_export_leaves_out_multi_module_groups_with_a_warning():
-    model = build_model("t5-shared")
-    plan = plan_wrap(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        exported = plan.to_transformers_fsdp_plan(model)
-    assert exported["encoder.block.*"] == "free_full_weight"
-    assert not any("embed_tokens" in key or key == "shared" for key in exported)
-    assert any("cannot express" in str(w.message) and "shared" in str(w.message) for w in caught)
-    with pytest.raises(FsdpCompatError, match="cannot express"):
-        plan.to_transformers_fsdp_plan(model, strict=True)
-
-
-def test_export_keeps_no_reshard_groups_and_wildcards_layers():
-    model = build_model("qwen2-zloss")
-    exported = plan_wrap(model).to_transformers_fsdp_plan(model)
-    assert exported == {
-        "model.embed_tokens": "free_full_weight",
-        "model.layers.*": "free_full_weight",
-        "lm_head": "keep_full_weight",
-    }
 
 
 def test_expand_fsdp_plan_row_filters_the_target_lists():

@@ -1,0 +1,45 @@
+"""``fsdp-compat doctor`` (``fsdp_compat.doctor.report``): it names the switches and every adapter of the index, and
+inspecting imports no adapter and no framework.
+"""
+
+from __future__ import annotations
+
+import _fakes
+import pytest
+from _fakes import (
+    _run,
+)
+from fsdp_compat.adapters import ADAPTERS
+
+# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
+# import by name); pytest finds a fixture by the name bound in the test module
+_clean_env = _fakes._clean_env
+
+
+def test_doctor_report_names_switches_and_every_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_compat.doctor import report
+
+    monkeypatch.setenv("FSDP_COMPAT_AUTOLOAD", "0")
+    monkeypatch.setenv("FSDP_COMPAT_POLICY", "nonsense")
+    text = report()
+    assert "automatic activation: on (FSDP_COMPAT unset)" in text
+    assert "the .pth hook is off: FSDP_COMPAT_AUTOLOAD=0" in text
+    assert "policy: INVALID: FSDP_COMPAT_POLICY='nonsense' is not a policy name" in text
+    for key, entry in ADAPTERS.items():
+        assert f"{key} adapter ({entry.module}; activates on import of" in text
+
+
+def test_doctor_reports_without_patching() -> None:
+    """doctor imports no adapter and no framework: inspecting never changes what it inspects."""
+    done = _run(
+        """
+        import sys
+        from fsdp_compat.doctor import report
+        text = report()
+        loaded = sorted(m for m in sys.modules if m.startswith(("fsdp_compat.adapters.", "verl", "skyrl")))
+        assert loaded == [], loaded
+        print(text)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "adapter not loaded in this process" in done.stdout
