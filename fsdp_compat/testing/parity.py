@@ -336,14 +336,29 @@ def rank_batches(cfg: dict[str, Any], device: Any) -> list[dict[str, Any]]:
     return out
 
 
+def forget_image_positions(model: Any) -> None:
+    """Drop the ``rope_deltas`` a Qwen2-VL-family model (GLM4V, Qwen2.5-VL, ...) cached from its last image batch.
+
+    transformers 5.3 adds them to the next text-only *training* forward too (its ``compute_3d_position_ids``: ``elif
+    self.rope_deltas is not None``); 5.6, 5.9, 5.10, 5.16 and 5.24 use them only while decoding. The reference
+    runs every rank's micro-batch on one model, so rank 0's image positions would shift rank 1's text positions (by
+    -3 in the zoo's GLM4V), which the rank itself never sees: equal in exact arithmetic (RoPE is relative), not in
+    rounding."""
+    for module in model.modules():
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
+
+
 def reference_backward(
     reference: Any, batches: list[Any], *, loss: Callable[[Any, Any], Any] = lm_loss
 ) -> list[Any]:
     """One process training on all the ranks' micro-batches with the mean loss: ``(loss_r / W).backward()`` per
     micro-batch, accumulating into ``.grad`` (with W = 2 the halving is exact and the sum commutative: 0.0).
-    ``loss(reference, batch)`` computes loss_r. Returns the per-micro-batch losses (unscaled)."""
+    ``loss(reference, batch)`` computes loss_r. Returns the per-micro-batch losses (unscaled). Each micro-batch
+    starts without the previous one's cached image positions (:func:`forget_image_positions`), as on its rank."""
     losses = []
     for b in batches:
+        forget_image_positions(reference)
         out = loss(reference, b)
         (out / len(batches)).backward()
         losses.append(out.detach())
