@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from fsdp_compat.activation import logger
-from fsdp_compat.safety import unsafe_targets  # the one safety checker; adapters import it from here
 
 __all__ = [
     "bottom_up",
@@ -33,6 +32,14 @@ __all__ = [
 
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
 _lock = threading.Lock()
+
+
+def unsafe_targets(model: Any, targets: list[Any]) -> dict[int, str]:
+    """:func:`fsdp_compat.safety.unsafe_targets`, the one safety checker, imported when first needed: the adapters
+    import this module at load time, and the checker imports torch and the analysis (about 6 ms)."""
+    from fsdp_compat.safety import unsafe_targets as check
+
+    return check(model, targets)
 
 
 # ----------------------------------------------------------------------------------------- the configured list

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_compat.activation import Release, Replacement, declare
-from fsdp_compat.repair import Change, ForeignGroup, repair_groups
 
 from . import trigger
+
+if TYPE_CHECKING:  # the repair imports torch and the analysis: loaded when a plan is checked, not with the adapter
+    from fsdp_compat.repair import Change, ForeignGroup
 
 __all__ = [
     "ADAPTER",
@@ -71,6 +73,8 @@ def _never_pair(_targets: list[tuple[str, Any]], _model: Any) -> bool:
 def plan_groups(model: Any, fsdp_plan: Mapping[str, str], is_pair: PairTest = _never_pair) -> list[ForeignGroup]:
     """The ``fully_shard`` calls transformers makes for ``fsdp_plan``: each entry alone, except the kept
     (final norm, head) pair that ``is_pair`` (transformers' ``is_norm_and_head_pair``) bundles into one group."""
+    from fsdp_compat.repair import ForeignGroup
+
     keep = [(name, model.get_submodule(name)) for name, style in fsdp_plan.items() if style == KEEP]
     groups = [ForeignGroup((name,)) for name, style in fsdp_plan.items() if style != KEEP]
     if keep and is_pair(keep, model):
@@ -98,6 +102,8 @@ def fix_fsdp_plan(
     Repeats until transformers' grouping of the result (which can bundle the kept tail differently once an entry
     changed style) is itself safe.
     """
+    from fsdp_compat.repair import repair_groups
+
     plan = dict(fsdp_plan)
     changes: list[Change] = []
     tied = tied_module_sets(model)
