@@ -450,7 +450,9 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     out["steps"], grads, params = [], [], []
     step_optimizer = engine.optimizer_step
 
-    def optimizer_step() -> Any:  # the gradients verl steps with (the vision groups' are gone after train_batch)
+    # the gradients verl steps with: verl sets every .grad to None when train_batch leaves engine.train_mode
+    # (EngineTrainModeCtx.__exit__ -> optimizer_zero_grad, zero_grad_on_exit=True in verl 0.9.1)
+    def optimizer_step() -> Any:
         grads.append({n: None if p.grad is None else _full(p.grad) for n, p in engine.module.named_parameters()})
         return step_optimizer()
 
