@@ -223,13 +223,14 @@ def twin_step(
 
 def init_group(cfg: dict[str, Any], rank: int) -> Any:
     """Join the process group of a :func:`~fsdp_compat.testing.launch.run_ranks` rank on ``cfg["device"]`` (NCCL,
-    one GPU a rank; else gloo, the CPU cores shared among the ranks); returns this rank's torch device."""
+    one GPU a rank; else gloo, the CPU cores shared among the ranks; no ``device``: cpu); returns this rank's torch
+    device."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    cuda = cfg["device"].startswith("cuda")
+    cuda = cfg.get("device", "cpu").startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -56,19 +56,12 @@ def fingerprint(model: Any, layers: list[str]) -> dict[str, Any]:
 
 def plan_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """Rank 0 plans on real weights; rank 1 on ``cfg["empty"]`` ("init_empty_weights" or "to_meta")."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
+    from fsdp_compat.testing.parity import init_group
     from fsdp_compat.testing.zoo import build_model
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=cfg["world_size"],
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
+    init_group(cfg, rank)  # gloo: no "device" in cfg
     extra["agree"], extra["meta"] = {}, {}
     # "control": the guarded failure first, rank 1 planning glm4v with one layer class fewer
     for name in ["control", *cfg["models"]]:

@@ -16,7 +16,7 @@ import copy
 import os
 from typing import Any
 
-from fsdp_compat.testing.parity import Diff, full_tensor, reference_backward
+from fsdp_compat.testing.parity import Diff, twin_step
 
 __all__ = ["engine_rank"]
 
@@ -51,22 +51,8 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     extra["groups"] = fsdp_groups(model)
     kinds = cfg.get("variants") or [None] * world  # e.g. ["image", "text"]: rank 1 without images
     batches = [make_batch(cfg["model"], seed=100 + r, **({"variant": k} if k else {})) for r, k in enumerate(kinds)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    ref_params = dict(reference.named_parameters())
+    opts = (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3))
     grads, params = Diff(), Diff()  # NaN-failing
-    for _ in range(cfg["steps"]):
-        model(**batches[rank]).loss.backward()
-        reference_backward(reference, batches)  # one process on every rank's batch, mean loss
-        named = list(model.named_parameters())
-        with torch.no_grad():
-            for name, p in named:
-                grads.add(name, full_tensor(p.grad), ref_params[name].grad)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, p in named:
-                params.add(name, full_tensor(p), ref_params[name])
+    for _ in range(cfg["steps"]):  # this rank's batch; the reference every rank's batch with the mean loss
+        twin_step(model, reference, opts, batches, rank, (grads, params))
     extra["grad_diff"], extra["param_diff"] = grads.abs, params.abs

@@ -33,6 +33,7 @@ from fsdp_compat.testing.parity import (
     _mixed_batch_counters,
     full_tensor,
     gradient_reduction_factor,
+    init_group,
 )
 from fsdp_compat.testing.skyrl_smoke import _PACKAGES, installed_skyrl, probe
 
@@ -229,7 +230,6 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
     scheduler) that trains on all the ranks' micro-batches with the mean loss (one backward of ``loss_r / W`` per
     micro-batch: with 2 ranks the sums FSDP2's reduce-scatter makes, so the figures are exactly 0.0)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     distribution, version = installed_skyrl() or ("", "")
@@ -241,14 +241,7 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
         strategy_apply_fsdp2_patched=bool(getattr(strategy.apply_fsdp2, "__fsdp_compat__", False)),
         fsdp_compat_env=os.environ.get("FSDP_COMPAT"),
     )
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg["world_size"]))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=cfg["world_size"],
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
+    init_group({**cfg, "device": "cpu"}, rank)  # gloo: SkyRL's CUDA lines are replaced by a CPU mesh here
     mesh = init_device_mesh("cpu", (cfg["world_size"],), mesh_dim_names=["fsdp"])  # create_device_mesh, on CPU
     fsdp_config, optim_config, algorithm = _configs(distribution)
     fsdp_strategy = make_strategy(strategy, distribution, fsdp_config, optim_config)
