@@ -20,10 +20,14 @@ from typing import Any
 from fsdp_compat.testing.launch import RankResult, RunResult, _jsonable, _resolve, _wrap_spec, run_ranks
 
 __all__ = [
+    "GRADIENT_SYNCS",
     "PARITY_TOL",
     "Diff",
+    "RankPositions",
     "Step",
     "WrapFn",
+    "accumulated_reference_backward",
+    "accumulation_step",
     "full_tensor",
     "gradient_reduction_factor",
     "init_group",
@@ -32,6 +36,7 @@ __all__ = [
     "rank_batches",
     "reference_backward",
     "run_training",
+    "sharded_twins_step",
     "twin_step",
     "worse",
 ]
@@ -390,6 +395,178 @@ def loss_scale(mesh: Any) -> float:
     if id(mesh) not in _SCALES:
         _SCALES[id(mesh)] = 1.0 / gradient_reduction_factor(mesh)
     return _SCALES[id(mesh)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The whole step: gradient accumulation summed in FSDP2's order, per-rank cached positions, sharded twins.
+
+#: FSDP2's two accumulation modes (:func:`accumulation_step`): ``"last"`` = ``set_requires_gradient_sync(False)`` on
+#: all but the last micro-batch (no-sync), ``"every"`` = a reduce-scatter after every micro-batch.
+GRADIENT_SYNCS = ("last", "every")
+
+
+class RankPositions:
+    """What each rank's model has cached from its last forward (``rope_deltas``, the image positions of the
+    Qwen2-VL family), kept per rank for the one reference model that runs every rank's micro-batches.
+
+    A rank's model carries its cache into its next forward (its next micro-batch, its next step), never another
+    rank's: :meth:`restore` before rank r's micro-batch gives the reference rank r's cache (none at first), and
+    :meth:`save` after it keeps what that micro-batch left. Unlike :func:`forget_image_positions` (which forgets at
+    every micro-batch) this matches a rank whose own micro-batches follow each other, e.g. an image one then a text
+    one under gradient accumulation."""
+
+    def __init__(self, model: Any) -> None:
+        self._owners = [m for m in model.modules() if hasattr(m, "rope_deltas")]
+        self._saved: dict[int, list[Any]] = {}
+
+    def restore(self, rank: int) -> None:
+        for owner, value in zip(self._owners, self._saved.get(rank, [None] * len(self._owners)), strict=True):
+            owner.rope_deltas = value
+
+    def save(self, rank: int) -> None:
+        self._saved[rank] = [owner.rope_deltas for owner in self._owners]
+
+
+def _ordered_sum(terms: list[Any]) -> Any:
+    """``((t0 + t1) + t2) + ...`` over the terms that are not None (None when all are): the left-to-right order
+    FSDP2 adds gradients in, a missing gradient being no term (as a parameter autograd never reached)."""
+    present = [t for t in terms if t is not None]
+    if not present:
+        return None
+    total = present[0].clone()
+    for t in present[1:]:
+        total += t
+    return total
+
+
+def accumulated_reference_backward(
+    reference: Any,
+    micro_batches: list[list[Any]],
+    *,
+    sync: str = "last",
+    loss: Callable[[Any, Any], Any] = lm_loss,
+    positions: RankPositions | None = None,
+) -> list[list[Any]]:
+    """One process training on every rank's micro-batches (``micro_batches[rank][k]``, K per rank) with the mean
+    loss, its gradients summed in the order FSDP2 sums them under gradient accumulation; the sum is left in
+    ``.grad``. Returns the unscaled losses, ``[rank][k]``.
+
+    Each micro-batch's gradient ``g_rk`` (of ``loss / (W * K)``) is computed alone, then: ``sync="last"`` (no-sync)
+    sums each rank's own micro-batches first (autograd accumulating into the unsharded gradient) and then the ranks
+    (one reduce-scatter): ``sum_r(sum_k g_rk)``; ``sync="every"`` sums the ranks of each micro-batch (a
+    reduce-scatter each) and then accumulates the reduced shards: ``sum_k(sum_r g_rk)``. Floating-point addition is
+    not associative, so the order matters (a one-process backward of the micro-batches in a row sums
+    ``((g_00 + g_01) + g_10) + g_11``, another rounding); with W = 2 every pairwise sum is commutative and the
+    scaling a power of two, so the result is FSDP2's exactly. ``positions`` carries each rank's cached image
+    positions (:class:`RankPositions`; default: a fresh one, as for ranks that start now)."""
+    import torch
+
+    if sync not in GRADIENT_SYNCS:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"sync must be one of {', '.join(GRADIENT_SYNCS)}, got {sync!r}")
+    world, micro = len(micro_batches), len(micro_batches[0])
+    positions = positions or RankPositions(reference)
+    params = dict(reference.named_parameters())
+    grads: list[list[dict[str, Any]]] = []  # [rank][k] -> name -> gradient of that micro-batch alone
+    losses: list[list[Any]] = []
+    for rank, batches in enumerate(micro_batches):
+        grads.append([])
+        losses.append([])
+        for batch in batches:
+            for p in params.values():
+                p.grad = None
+            positions.restore(rank)
+            out = loss(reference, batch)
+            positions.save(rank)
+            (out / (world * micro)).backward()
+            losses[rank].append(out.detach())
+            grads[rank].append({name: p.grad for name, p in params.items()})
+    with torch.no_grad():
+        for name, p in params.items():
+            if sync == "last":
+                per_rank = [_ordered_sum([g[name] for g in grads[r]]) for r in range(world)]
+                p.grad = _ordered_sum(per_rank)
+            else:
+                per_micro = [_ordered_sum([grads[r][k][name] for r in range(world)]) for k in range(micro)]
+                p.grad = _ordered_sum(per_micro)
+    return losses
+
+
+def accumulation_step(
+    model: Any,
+    reference: Any,
+    opts: tuple[Any, Any],
+    micro_batches: list[list[Any]],
+    rank: int,
+    diffs: tuple[Diff, Diff],
+    *,
+    sync: str = "last",
+    scale: float = 1.0,
+    loss: Callable[[Any, Any], Any] = lm_loss,
+    positions: RankPositions | None = None,
+    before_compare: Callable[[], None] | None = None,
+) -> tuple[list[Any], list[list[Any]]]:
+    """One optimizer step of gradient accumulation: the sharded ``model`` runs this rank's K micro-batches
+    (``micro_batches[rank]``; each backward of ``loss * scale / K``), FSDP2 syncing gradients on the last only
+    (``sync="last"``: ``set_requires_gradient_sync(False)`` before the others) or on every one (``"every"``); the
+    reference is :func:`accumulated_reference_backward` in the same order. Then as :func:`twin_step`: ``diffs``
+    (grads, params) get every gradient after the backwards (``before_compare()`` runs first: a control's
+    perturbation) and every parameter after both optimizers step. Returns this rank's unscaled losses and the
+    reference's (``[rank][k]``)."""
+    grads, params = diffs
+    batches = micro_batches[rank]
+    outs = []
+    for k, batch in enumerate(batches):
+        model.set_requires_gradient_sync(sync == "every" or k == len(batches) - 1)
+        out = loss(model, batch)
+        (out * (scale / len(batches))).backward()
+        outs.append(out.detach())
+    ref_losses = accumulated_reference_backward(reference, micro_batches, sync=sync, loss=loss, positions=positions)
+    if before_compare:
+        before_compare()
+    ref_params = dict(reference.named_parameters())
+    grads.add_grads(model, {name: p.grad for name, p in ref_params.items()})
+    for o in opts:
+        o.step()
+        o.zero_grad(set_to_none=True)
+    params.add_params(model, ref_params)
+    return outs, ref_losses
+
+
+def sharded_twins_step(
+    models: list[Any],
+    opts: list[Any],
+    batch: Any,
+    diffs: list[tuple[Diff, Diff]],
+    *,
+    scale: float = 1.0,
+    loss: Callable[[Any, Any], Any] = lm_loss,
+) -> list[Any]:
+    """One step of several sharded models with the same weights on this rank's ``batch``, each under another
+    plan: ``models[0]`` is the reference, ``diffs[i]`` (grads, params) compares ``models[i + 1]`` with it (full
+    gradients after the backwards, full parameters after every optimizer of ``opts`` steps). For what one process
+    cannot be compared with: under a ``MixedPrecisionPolicy`` each FSDP2 group casts its own inputs, so the
+    reference must be sharded too. Returns every model's loss on this rank."""
+    import torch
+
+    outs = []
+    for model in models:
+        out = loss(model, batch)
+        (out * scale if scale != 1.0 else out).backward()
+        outs.append(out.detach())
+    with torch.no_grad():
+        ref_grads = {name: full_tensor(p.grad) for name, p in models[0].named_parameters()}
+    for model, (grads, _) in zip(models[1:], diffs, strict=True):
+        grads.add_grads(model, ref_grads)
+    for o in opts:
+        o.step()
+        o.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        ref_params = {name: full_tensor(p) for name, p in models[0].named_parameters()}
+    for model, (_, params) in zip(models[1:], diffs, strict=True):
+        params.add_params(model, ref_params)
+    return outs
 
 
 def _fsdp_group_sets(model: Any) -> list[list[str]]:
