@@ -8,21 +8,30 @@ A wrap list that matches no module of the model (an outdated ``fsdp_config.wrap_
 is not an error in adapter context, because the framework itself trains with it (sharding only what its other
 rules pick): one warning names the classes and the model's repeated block classes, and the job goes on with the
 framework's selection minus what is unsafe. The direct API (``plan_wrap``, ``apply_fsdp2``) keeps raising.
+
+A framework's signatures grow between releases (a new keyword, a new step inside the function). A replacement
+passes the arguments it does not know to the framework's own code: :class:`DeferredShards` lets the framework's
+ORIGINAL function run and changes only which of its ``fully_shard`` calls take effect; a replacement that
+re-implements the function and meets :func:`foreign_arguments` runs the framework's own function with them instead.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsdp_compat.activation import logger
 
 __all__ = [
+    "DeferredShards",
     "bottom_up",
     "configured_wrap_list",
+    "foreign_arguments",
     "keep_safe",
     "layer_class_names",
+    "make_deferring_fully_shard",
     "outdated_fallback",
     "unmatched",
     "unsafe_targets",
@@ -31,6 +40,7 @@ __all__ = [
 ]
 
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
+_foreign_warned: set[tuple[str, str, tuple[str, ...]]] = set()
 _lock = threading.Lock()
 
 
@@ -179,3 +189,103 @@ def outdated_fallback(framework: str, model: Any, outdated: list[str], analyzed:
     paths = {id(m): p for p, m in model.named_modules()}
     warn_unmatched(framework, model, outdated, [paths.get(id(m), "?") for m in targets])
     return targets
+
+
+# ---------------------------------------------------------------------- arguments a replacement does not know
+
+
+def foreign_arguments(framework: str, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call brought arguments beyond the signature the replacement was written for (a newer release).
+
+    Only the framework knows what they mean, so the replacement then hands all of them to the framework's own
+    function (and keeps the run-time guard) rather than dropping them: one warning per process, framework and
+    argument shape."""
+    if not args and not kwargs:
+        return False
+    shape = (*(f"#{i}" for i in range(len(args))), *sorted(kwargs))
+    key = (framework, function, shape)
+    with _lock:
+        first = key not in _foreign_warned
+        _foreign_warned.add(key)
+    if first:
+        logger.warning(
+            "%s: %s was called with arguments this fsdp-compat does not know (extra %s): they go to %s's own %s, "
+            "and fsdp-compat's run-time guard stays installed (a read while sharded unshards its group instead of "
+            "crashing). A newer fsdp-compat may know this release.",
+            framework,
+            function,
+            ", ".join(shape),
+            framework,
+            function,
+        )
+    return True
+
+
+# ------------------------------------------------- the framework's own fully_shard calls, minus what is unsafe
+
+_scopes = threading.local()  # the open DeferredShards of this thread, innermost last
+
+
+class DeferredShards:
+    """The ``fully_shard`` calls a framework's own function makes for ``model``, held back until its root call.
+
+    Open it around the framework's ORIGINAL function (whose module's ``fully_shard`` is
+    :func:`make_deferring_fully_shard`'s): every call for a module other than ``model`` is recorded with its own
+    arguments; at the call for ``model`` (the root, last in FSDP2) the recorded modules minus what is unsafe are
+    sharded children first, each with the arguments the framework gave it, then the root call runs as made. So
+    the framework's selection rule (a set or a list of layer classes, whatever a release computes), its new
+    keywords and its other steps stay its own. A call this cannot judge (several modules at once) keeps every
+    call as the framework made it. Without a root call the rest is applied when the scope closes."""
+
+    def __init__(self, framework: str, model: Any) -> None:
+        self.framework = framework
+        self.model = model
+        self.pending: list[tuple[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.calls = 0  # fully_shard calls seen (the root's included)
+
+    def __enter__(self) -> DeferredShards:
+        _scopes.__dict__.setdefault("stack", []).append(self)
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        _scopes.stack.remove(self)
+        if exc_type is None:
+            self.flush()
+
+    def submit(self, shard: Callable[..., Any], module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.calls += 1
+        if module is not self.model:
+            self.pending.append((shard, module, args, kwargs))
+            return module  # what the framework gets back is the module it passed (fully_shard's return, unwrapped)
+        self.flush()
+        return shard(module, *args, **kwargs)
+
+    def flush(self) -> None:
+        from torch import nn
+
+        pending, self.pending = self.pending, []
+        if not all(isinstance(module, nn.Module) for _, module, _, _ in pending):
+            for shard, module, args, kwargs in pending:  # a group of several modules: the framework's calls as made
+                shard(module, *args, **kwargs)
+            return
+        first: dict[int, tuple[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]]] = {}
+        for call in pending:
+            first.setdefault(id(call[1]), call)  # a module selected twice is sharded once
+        for module in keep_safe(self.framework, self.model, [call[1] for call in first.values()]):
+            shard, _, args, kwargs = first[id(module)]
+            shard(module, *args, **kwargs)
+
+
+def make_deferring_fully_shard(original: Callable[..., Any], _policy: str) -> Callable[..., Any]:
+    """The ``fully_shard`` a framework module bound by name: inside an open :class:`DeferredShards` of this thread
+    the call goes to it, everywhere else straight to ``original``."""
+
+    @functools.wraps(original)
+    def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+        stack = getattr(_scopes, "stack", None)
+        if not stack:
+            return original(module, *args, **kwargs)
+        return stack[-1].submit(original, module, args, kwargs)
+
+    fully_shard.__fsdp_compat__ = True  # type: ignore[attr-defined]
+    return fully_shard

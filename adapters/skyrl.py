@@ -64,14 +64,20 @@ def configured_layer_classes(config: Any) -> list[str] | None:
 
 
 def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
-    """SkyRL's ``apply_fsdp2(model, fsdp_kwargs, config)``, with groups chosen by fsdp-compat's planner."""
+    """SkyRL's ``apply_fsdp2(model, fsdp_kwargs, config)``, with groups chosen by fsdp-compat's planner; called with
+    arguments this adapter does not know, SkyRL's own function with all of them, and the run-time guard."""
 
     @functools.wraps(original)
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any = None, *args: Any, **kwargs: Any) -> None:
         from fsdp_compat.apply import apply_fsdp2 as core_apply_fsdp2
 
-        from ._selection import outdated_fallback, unmatched
+        from ._selection import foreign_arguments, outdated_fallback, unmatched
 
+        if foreign_arguments("SkyRL", "apply_fsdp2", args, kwargs):  # a newer release: its own function knows them
+            from fsdp_compat.runtime import install_runtime
+
+            install_runtime(model)
+            return original(model, fsdp_kwargs, config, *args, **kwargs)
         names = configured_layer_classes(config)
         outdated = unmatched(model, names if names is not None else getattr(model, "_no_split_modules", None))
         if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
@@ -93,7 +99,8 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
 
 
 def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
-    """The upstream selector ``modules_to_wrap_fsdp2(model, cls_names)``: fsdp-compat's bottom-up targets."""
+    """The upstream selector ``modules_to_wrap_fsdp2(model, cls_names)``: fsdp-compat's bottom-up targets; called
+    with arguments this adapter does not know, SkyRL's own selection with them, minus what is unsafe."""
 
     @functools.wraps(original)
     def modules_to_wrap_fsdp2(model: Any, cls_names: Any = None, *args: Any, **kwargs: Any) -> list[Any]:
@@ -101,11 +108,15 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
         from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
-        from ._selection import outdated_fallback, unmatched
+        from ._selection import foreign_arguments, keep_safe, outdated_fallback, unmatched
 
         names = layer_class_names(cls_names)
         outdated = unmatched(model, names)
-        if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
+        if foreign_arguments("SkyRL", UPSTREAM_SELECTOR, args, kwargs):  # SkyRL's own candidates, minus the unsafe
+            targets = list(original(model, cls_names, *args, **kwargs))
+            if resolve_policy(policy).analyzed:
+                targets = keep_safe("SkyRL", model, targets)
+        elif outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
             targets = outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed)
         else:
             targets = select_wrap_targets(model, names, policy=policy)
