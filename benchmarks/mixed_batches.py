@@ -1,6 +1,7 @@
 """What keeping mixed micro-batches in step costs: step time per ``FSDP_COMPAT_MIXED_BATCHES`` mode and batch mix.
 
 ``python -m benchmarks mixed_batches [--models glm4v,qwen2-vl] [--warmup 2] [--steps 10]``
+``python -m benchmarks mixed_batches --exchange [--iters 200] [--busy-ms 20]`` (the exchange alone; see below)
 
 Per model, one pair of gloo ranks holds three wrapped copies (policy auto, guard on) that differ only in the mode,
 and steps them round-robin over three mixes, so every ratio comes from one run under the same machine load:
@@ -13,6 +14,13 @@ and steps them round-robin over three mixes, so every ratio comes from one run u
   it (the collectives fall out of step), so its cell is ``-``.
 
 Ratios are against ``off`` on the same mix (``-`` where ``off`` cannot run) and, for ``always``, against ``sync``.
+
+``--exchange``: what one exchange costs the CPU that issues FSDP2's work, on 2 ranks (NCCL, one GPU each, where 2
+GPUs are visible; else gloo on the CPU, which cannot show the difference and says so). Per iteration: ``idle``, the
+exchange alone; ``busy``, the exchange issued right after ``--busy-ms`` of queued GPU work (a chain of matmuls), as
+in a forward where FSDP2 has queued its prefetches. ``host`` is fsdp-compat's exchange (a CPU tensor on a gloo group
+of its own: the CPU returns without waiting for the GPU); ``device`` the way it was made before (a vector on the
+GPU, all-reduced on the mesh's NCCL group and read back with ``.tolist()``: the CPU waits until the queue drains).
 """
 
 from __future__ import annotations
@@ -80,12 +88,84 @@ def run(model: str, warmup: int, steps: int) -> dict[str, Any]:
     return {"median": median, "dummy_calls": [r["dummy_calls"] for r in ranks], "seconds": result.seconds}
 
 
+def _exchange_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_compat.mixed_batches import _exchange
+    from fsdp_compat.testing.parity import init_group
+
+    dev = init_group(cfg, rank)
+    ranks = tuple(range(cfg["world_size"]))
+    cuda = dev.type == "cuda"
+    if cuda:
+        a = torch.randn(2048, 2048, device=dev)
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+        per_matmul = (time.perf_counter() - t) / 10
+        chain = max(1, round(cfg["busy_ms"] / 1e3 / per_matmul))
+
+    def device_way(value: int) -> list[int]:
+        vector = torch.zeros(len(ranks), dtype=torch.int64, device=dev)
+        vector[rank] = value
+        dist.all_reduce(vector)
+        return vector.tolist()
+
+    ways = {"host": lambda v: list(_exchange(ranks, v).values()), "device": device_way}
+    times: dict[str, list[float]] = {f"{w} {s}": [] for w in ways for s in ("idle", "busy")}
+    for i in range(cfg["iters"] + 5):
+        for way, call in ways.items():
+            for state in ("idle", "busy") if cuda else ("idle",):
+                if cuda:
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    if state == "busy":
+                        for _ in range(chain):
+                            a @ a
+                t = time.perf_counter()
+                assert call(rank + 1) == [r + 1 for r in ranks]
+                if i >= 5:
+                    times[f"{way} {state}"].append(time.perf_counter() - t)
+    if cuda:
+        torch.cuda.synchronize()
+    extra["median_us"] = {k: statistics.median(v) * 1e6 if v else None for k, v in times.items()}
+    extra["backend"] = dist.get_backend()
+
+
+def exchange_main(iters: int, busy_ms: float) -> int:
+    import torch
+
+    from fsdp_compat.testing.launch import run_ranks
+
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    cfg = {"iters": iters, "busy_ms": busy_ms, "device": "cuda" if gpu else "cpu"}
+    result = run_ranks("benchmarks.mixed_batches:_exchange_rank", cfg, world_size=2, timeout_s=600)
+    result.raise_for_error()
+    medians = [r.extra["median_us"] for r in result.ranks]
+    print(f"Mixed-batch exchange: median CPU time of one exchange, {iters} iterations, 2 ranks "
+          f"({result.ranks[0].extra['backend']})\n")  # fmt: skip
+    rows = [[k, *(f"{m[k]:.0f} us" if m[k] is not None else "-" for m in medians)] for k in medians[0]]
+    print(format_table(["exchange", "rank 0", "rank 1"], rows, right=(1, 2)))
+    if not gpu:
+        print("\nNo 2 GPUs here: gloo on the CPU only, where both ways run on host memory and neither waits for a "
+              "device. The device-to-host sync the host exchange removes shows only with NCCL: run this on 2 GPUs "
+              f"(busy = {busy_ms:g} ms of queued matmuls).")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks mixed_batches")
     parser.add_argument("--models", default="glm4v,qwen2-vl")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--exchange", action="store_true", help="measure the exchange alone (host vs device way)")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--busy-ms", type=float, default=20.0)
     args = parser.parse_args(argv)
+    if args.exchange:
+        return exchange_main(args.iters, args.busy_ms)
     print("Mixed micro-batches: median step (forward, backward, AdamW) per mode and mix; 2 gloo ranks, "
           f"{args.steps} steps after {args.warmup} warm-up, copies stepped round-robin\n")  # fmt: skip
     for name in args.models.split(","):

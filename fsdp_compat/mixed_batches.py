@@ -1,5 +1,5 @@
 """Mixed micro-batches: every rank issues the vision tower's FSDP2 collectives, whether its micro-batch has images
-or not.
+or not; and the tower works when it is called outside the model's forward (``generate``).
 
 Why: FSDP2 pairs collectives across ranks by order and size. A vision-language model calls its vision tower only
 for a micro-batch with ``pixel_values``. A rank whose micro-batch has no image skips the all-gathers of the tower's
@@ -8,14 +8,32 @@ tower has no group of its own, the group that holds its parameters (the root, sa
 the parameters that got a gradient, so its reduce-scatter is smaller on that rank. gloo aborts ("Received data size
 doesn't match expected size"), NCCL hangs until its watchdog fires.
 
-How, from the collective order: in transformers' VLM forwards an image rank all-gathers the input embedding's
-group, then the tower's groups once per medium (images, then videos), then the text layers; backward reverses it.
-At the start of the VLM's forward the ranks exchange how many tower calls each will make (one small all-reduce over
-the tower's device mesh). Just before the text model runs, a rank that made fewer calls than the most any rank
-makes calls the tower on a zero dummy (its family's smallest valid input) and adds ``0.0 * features`` to the text
-model's ``inputs_embeds``: the same all-gathers in the same place forward, the same reduce-scatters backward, and a
-contribution of exactly zero. When no rank has vision input, no rank runs the tower: the step equals one process
-training on all the ranks' micro-batches (no zero gradients, so AdamW leaves the tower alone, as it would there).
+How, from the collective order: in transformers' VLM forwards an image rank all-gathers the root group (FSDP2's root
+pre-forward), then the input embedding's group, then the tower's groups once per medium (images, then videos), then
+the text layers; backward reverses it. Right after the root's pre-forward the ranks exchange how many tower calls
+each will make (one all-reduce of a small integer vector, on a CPU process group: no device sync). Just before the
+text model runs, a rank that made fewer calls than the most any rank makes calls the tower on a zero dummy (its
+family's smallest valid input) and adds ``0.0 * features`` to the text model's ``inputs_embeds``: the same
+all-gathers in the same place forward, the same reduce-scatters backward, and a contribution of exactly zero. When no
+rank has vision input, no rank runs the tower: the step equals one process training on all the ranks' micro-batches
+(no zero gradients, so AdamW leaves the tower alone, as it would there).
+
+Tower calls outside the model's forward (transformers >= 5.2x's ``generate`` encodes images with
+``get_image_features`` before the first forward; a user may call it, or the tower, directly): FSDP2 unshards a group
+only in its own forward, so the tower's parameters that live in an enclosing group (the root) are still sharded
+there (``got mixed torch.Tensor and DTensor``), under every plan. Such a call first runs the FSDP2 root's lazy
+initialisation (else the first vision block to run would make itself a root) and unshards the enclosing groups,
+outermost first, with FSDP2's own ``unshard()``. Nothing is resharded afterwards: the model's next forward reshards
+each group as its ``reshard_after_forward`` says (the root: FSDP2 keeps it unsharded until the end of the next
+backward); a group is never held longer than that forward would hold it anyway. The call also counts: it announces
+itself in the exchange (right after the root's unshard, where the ranks at a forward start exchange), and a rank at
+a forward start that sees such an announcement runs the same unshards and a dummy tower call, then exchanges again,
+until no rank is outside.
+
+Generation: inside ``model.generate`` (wrapped on the model) every forward after the first that decodes from a cache
+is a decode step on every rank (transformers drops vision inputs there), so no rank can call the tower and no
+exchange is made; ``synced_gpus`` defaults to True on a model sharded across ranks (transformers' own rule for
+FSDP-managed modules), so ranks that stop at different lengths keep running forwards together.
 
 Families are one table (:data:`FAMILIES`): the inner model classes that hold ``visual`` and ``language_model``, the
 vision inputs they take, and the dummy builder. A model whose forward is not transformers' own (verl replaces the
@@ -26,7 +44,8 @@ a hang.
 
 ``FSDP_COMPAT_MIXED_BATCHES``: ``sync`` (default, as above), ``always`` (no exchange: every rank runs the tower at
 least once per forward, on a dummy where it has no input, as verl does; for image-only jobs, since a rank with
-images and videos calls the tower twice) or ``off``.
+images and videos calls the tower twice) or ``off`` (no alignment; tower calls outside the forward are still
+unsharded, and ``generate`` still defaults to ``synced_gpus``).
 """
 
 from __future__ import annotations
@@ -34,8 +53,9 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,33 +157,38 @@ _INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[MixedBatches]] = weakref.W
 def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[MixedBatches]:
     """Keep ``model``'s ranks' collectives in step when some micro-batches lack vision input (see the module doc).
 
-    ``mode`` defaults to ``FSDP_COMPAT_MIXED_BATCHES``. Idempotent; does nothing for text models, in mode ``off``,
-    or where the model is not sharded across ranks. It may run before ``fully_shard``: whether FSDP2 shards the
-    tower is decided at the first forward.
+    ``mode`` defaults to ``FSDP_COMPAT_MIXED_BATCHES``. Idempotent for one mode (another mode replaces the hooks);
+    does nothing for text models, or where the model is not sharded across ranks. It may run before ``fully_shard``:
+    whether FSDP2 shards the tower is decided again at every forward until it does. In mode ``off`` it returns ``[]``
+    and installs only what keeps a tower call outside the forward working (and ``generate``'s ``synced_gpus``).
     """
     mode = mixed_batches_mode() if mode is None else mode
     if mode not in MODES:
         raise FsdpCompatError(f"mixed-batch mode {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "off":
-        return []
-    if model in _INSTALLED:
-        return _INSTALLED[model]
+    existing = _INSTALLED.get(model)
+    if existing is not None and all(m.mode == mode for m in existing):
+        return mixed_batches_of(model)
+    for hooks in existing or ():
+        hooks.remove()
     installed: list[MixedBatches] = []
     for path, module in model.named_modules():
         family = _family_of(module)
         if family is not None and all(hasattr(module, a) for a in ("visual", "language_model", "get_image_features")):
-            installed.append(_KnownFamily(model, module, path, family, mode))
+            if mode == "off":
+                installed.append(MixedBatches(model, module.visual, f"{path}.visual" if path else "visual", mode))
+            else:
+                installed.append(_KnownFamily(model, module, path, family, mode))
     if not installed:
-        unknown = _unknown_vlm(model)
+        unknown = _unknown_vlm(model, mode)
         if unknown is not None:
             installed.append(unknown)
     _INSTALLED[model] = installed
-    return installed
+    return mixed_batches_of(model)
 
 
 def mixed_batches_of(model: nn.Module) -> list[MixedBatches]:
-    """What :func:`install_mixed_batches` put on ``model`` (empty for text models)."""
-    return list(_INSTALLED.get(model, ()))
+    """What :func:`install_mixed_batches` put on ``model`` (empty for text models and in mode ``off``)."""
+    return [m for m in _INSTALLED.get(model, ()) if m.mode != "off"]
 
 
 def _marked(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -176,16 +201,17 @@ def _forward_is_transformers(module: nn.Module) -> bool:
     return str(getattr(forward, "__module__", "")).startswith("transformers.")
 
 
-def _sharded_across_ranks(root: nn.Module, tower: nn.Module) -> bool:
-    """Whether FSDP2 manages the tower's parameters (in groups of its own or in an enclosing one, the root
-    included) across more than one rank. Either way a rank that skips the tower skips collectives: its blocks'
-    all-gathers, and in backward the enclosing group reduce-scatters only parameters that got a gradient."""
-    import torch.distributed as dist
+def _fsdp_managed(root: nn.Module, tower: nn.Module) -> bool:
+    """Whether FSDP2 manages the tower's parameters, in groups of its own or in an enclosing one (the root)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return False
     return isinstance(root, FSDPModule) or any(isinstance(m, FSDPModule) for m in tower.modules())
+
+
+def _multi_rank() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _mesh_of(*modules: nn.Module) -> Any:
@@ -198,25 +224,50 @@ def _mesh_of(*modules: nn.Module) -> Any:
     return None
 
 
-def _exchange(mesh: Any, value: int, device: torch.device) -> list[int]:
-    """Every rank's ``value``, by global rank: one all-reduce of a world-size vector per mesh dimension."""
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    """The global ranks that shard the tower: every rank of its mesh (``DeviceMesh.mesh`` lives on the CPU), or the
+    whole world without one."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        return [value]
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if mesh is not None:  # the mesh's backend decides where the vector lives (NCCL: the current GPU)
-        device = torch.device(mesh.device_type)
-        if device.type != "cpu" and device.index is None:
-            device = torch.device(device.type, getattr(torch, device.type).current_device())
-    vector = torch.zeros(world, dtype=torch.int64, device=device)
-    vector[rank] = value
     if mesh is None:
-        dist.all_reduce(vector)
-    else:
-        for dim in range(mesh.ndim):
-            dist.all_reduce(vector, group=mesh.get_group(dim))
-    return [int(v) for v in vector.tolist()]
+        return tuple(range(dist.get_world_size()))
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+# ------------------------------------------------------------------------------------------------------ exchange
+
+_HOST_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _host_group(ranks: tuple[int, ...]) -> Any:
+    """A gloo process group over ``ranks``, made once per process at the first exchange. ``new_group`` is itself
+    collective: every rank of ``ranks`` makes its first exchange at the same point of the same forward (or tower call
+    outside it), after the root's unshard, so no rank waits in it while another waits in an all-gather. Local
+    synchronisation: ranks outside ``ranks`` (another data-parallel replica's sub-mesh) need not take part."""
+    import torch.distributed as dist
+
+    group = _HOST_GROUPS.get(ranks)
+    if group is None:
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _HOST_GROUPS[ranks] = group
+    return group
+
+
+def _exchange(ranks: tuple[int, ...], value: int) -> dict[int, int]:
+    """Every rank's ``value`` (global rank -> value): one all-reduce of an int64 vector in host memory on a gloo group
+    over ``ranks``. The counts are host values, so nothing goes to a device: no device-to-host sync on an NCCL mesh,
+    which would stall the CPU that issues FSDP2's prefetches ahead of the GPU."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or len(ranks) < 2:
+        return {0: value}
+    vector = torch.zeros(len(ranks), dtype=torch.int64, device="cpu")
+    vector[ranks.index(dist.get_rank())] = value
+    dist.all_reduce(vector, group=_host_group(ranks))
+    return dict(zip(ranks, vector.tolist(), strict=True))
+
+
+_OUTSIDE = -1  # exchanged by a rank that is calling the tower outside the model's forward
 
 
 def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -231,8 +282,49 @@ def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _floating_tensors(v)
 
 
-def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], fallback: nn.Module) -> torch.device:
-    for value in (*kwargs.values(), *args):
+def _zero_of(value: Any) -> torch.Tensor | None:
+    """``0.0 * sum`` of every floating tensor in ``value`` (None if there is none): joins the graph, adds nothing."""
+    zero = None
+    for t in _floating_tensors(value):
+        term = t.sum() * 0.0
+        zero = term if zero is None else zero + term
+    return zero
+
+
+def _ranks(counts: dict[int, int], pick: Callable[[int], bool]) -> str:
+    return ", ".join(str(r) for r, c in counts.items() if pick(c))
+
+
+def _call_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's arguments by name, ``**kwargs`` flattened in."""
+    if not args:
+        return kwargs
+    try:
+        signature = inspect.signature(module.forward)
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return kwargs
+    var_keyword = [n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    flat = {k: v for k, v in bound.items() if k not in var_keyword}
+    for name in var_keyword:
+        flat.update(bound.get(name) or {})
+    return flat
+
+
+def _shows(module: nn.Module, names: Iterable[str]) -> bool:
+    """Whether ``module.forward`` takes every one of ``names`` (by name, or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    return all(name in parameters for name in names)
+
+
+def _input_device(inputs: dict[str, Any], fallback: nn.Module) -> torch.device:
+    """Where the forward computes: its first tensor input's device (CPU offload keeps sharded parameters on the CPU)."""
+    for value in inputs.values():
         if isinstance(value, torch.Tensor):
             return value.device
     for p in fallback.parameters():
@@ -240,114 +332,330 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], fallback: nn.Modul
     return torch.device("cpu")
 
 
-def _ranks(counts: list[int], pick: Callable[[int], bool]) -> str:
-    return ", ".join(str(r) for r, c in enumerate(counts) if pick(c))
+def _bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return _call_inputs(module, args, kwargs)
+
+
+_CACHE_ARGS = ("past_key_values", "cache")  # transformers < 5.2x / >= 5.2x
+
+
+# ------------------------------------------------------------------------------------------------------ the hooks
 
 
 class MixedBatches:
-    """The hooks on one model; ``dummy_calls`` counts the dummy tower calls this rank made (for tests/logs)."""
+    """The hooks on one model. Counters (this rank, for tests and logs): ``dummy_calls`` (dummy tower calls),
+    ``exchanges`` (all-reduces of counts), ``outside_calls`` (tower calls outside the model's forward, unsharded
+    here), ``decode_steps`` (forwards of ``generate`` that decoded from a cache without an exchange).
 
-    def __init__(self, root: nn.Module, path: str, mode: str) -> None:
+    This base class alone (mode ``off``) makes tower calls outside the model's forward work and wraps ``generate``;
+    the subclasses add the alignment."""
+
+    def __init__(self, root: nn.Module, tower: nn.Module, path: str, mode: str) -> None:
         self.root_class = type(root).__name__
         self._root = weakref.ref(root)
+        self._tower = weakref.ref(tower)
         self.path = path
         self.mode = mode
         self.dummy_calls = 0
         self.exchanges = 0
-        self._active: bool | None = None  # decided at the first forward: is the tower sharded across ranks?
-        self._mesh: Any = None
-        self._handles: list[Any] = []
+        self.outside_calls = 0
+        self.decode_steps = 0
+        self._active: bool | None = None  # True once the tower is sharded across ranks; decided again until then
+        self._ranks: tuple[int, ...] = ()
+        self._depth = 0  # forwards of the root in flight
+        self._generating: list[int] = []  # per generate() call in flight: the root forwards it has run
+        self._enclosing = _enclosing_paths(root, tower)
+        self._handles: list[Any] = [
+            root.register_forward_pre_hook(_marked(self._root_pre_forward), with_kwargs=True),
+            root.register_forward_hook(_marked(self._root_post_forward), always_call=True),
+            tower.register_forward_pre_hook(_marked(self._on_tower_call), prepend=True),
+        ]
+        self._generate = _wrap_generate(root)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        root = self._root()
+        if root is not None and self._generate is not None and root.__dict__.get("generate") == self._generate:
+            del root.__dict__["generate"]
 
-    def _activate(self, tower: nn.Module) -> bool:
-        if self._active is None:
-            root = self._root()
-            self._active = root is not None and _sharded_across_ranks(root, tower)
-            self._mesh = _mesh_of(tower, root) if self._active and root is not None else None
+    # -------------------------------------------------------------------------------------------- activation
+
+    def _activate(self) -> bool:
+        """Whether the tower is sharded across ranks. A model that is not FSDP-managed yet (a forward before
+        ``fully_shard``) is asked again at the next forward; only a sharded one caches the answer."""
+        if self._active is not None:
+            return self._active
+        root, tower = self._root(), self._tower()
+        if root is None or tower is None or not _fsdp_managed(root, tower):
+            return False
+        self._active = _multi_rank()
+        if self._active:
+            self._ranks = _mesh_ranks(_mesh_of(tower, root))
         return self._active
+
+    def _exchange(self, value: int) -> dict[int, int]:
+        self.exchanges += 1
+        return _exchange(self._ranks, value)
+
+    # ------------------------------------------------------------------------------------------- forward window
+
+    def _root_pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._begin(module, args, kwargs)
+
+    def _root_post_forward(self, *_: Any) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            self._end()
+            if self._generating:
+                self._generating[-1] += 1
+
+    def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A forward of the root starts (FSDP2's root pre-forward has run): the alignment's exchange point."""
+
+    def _end(self) -> None:
+        """The root's forward ended (or raised)."""
+
+    def _decode_step(self, inputs: dict[str, Any]) -> bool:
+        """A forward of ``generate`` after its first that decodes from a cache: on every rank alike, since the
+        ranks run generate's forwards together (``synced_gpus``) and transformers forwards vision inputs only to
+        the first forward of a cache (``prepare_inputs_for_generation``). No rank can call the tower here."""
+        return (
+            bool(self._generating)
+            and self._generating[-1] > 0
+            and any(inputs.get(name) is not None for name in _CACHE_ARGS)
+        )
+
+    # ---------------------------------------------------------------------------------- a tower call outside
+
+    def _on_tower_call(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._depth:
+            self._count_tower_call()
+            return
+        root = self._root()
+        if root is None or not _fsdp_managed(root, module):
+            return
+        self.outside_calls += 1
+        self._unshard_root(root)
+        if self._activate():
+            self._announce_outside_call()
+        self._unshard_enclosing(root)
+
+    def _count_tower_call(self) -> None:
+        """A tower call inside the root's forward."""
+
+    def _announce_outside_call(self) -> None:
+        """Tell the ranks at a forward start that this rank calls the tower outside a forward (the alignment)."""
+
+    def _unshard_root(self, root: nn.Module) -> None:
+        """What FSDP2's root pre-forward would have done for the tower: the root's lazy init (so that the first of
+        the tower's own groups to run does not become a root), then the root group's unshard."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(root, FSDPModule):
+            return
+        state = root._get_fsdp_state()
+        lazy_init = getattr(state, "_lazy_init", None)  # FSDP2 internals: torch 2.4 ... 2.15
+        if callable(lazy_init):
+            lazy_init()
+        root.unshard()
+
+    def _unshard_enclosing(self, root: nn.Module) -> None:
+        """Unshard the FSDP2 groups between the root and the tower (outermost first) that hold its parameters; a
+        group already unsharded is a no-op (no collective). They stay unsharded until the model's next forward
+        reshards them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for path in self._enclosing:
+            module = root.get_submodule(path)
+            if isinstance(module, FSDPModule):
+                module.unshard()
+
+
+def _enclosing_paths(root: nn.Module, tower: nn.Module) -> tuple[str, ...]:
+    """Module paths strictly between ``root`` and ``tower``, outermost first."""
+    for path, module in root.named_modules():
+        if module is tower:
+            parts = path.split(".")[:-1] if path else []
+            return tuple(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return ()
+
+
+def _wrap_generate(root: nn.Module) -> Any:
+    """Put :func:`generate` on ``root`` as a bound method (a deep copy of the model gets its own); None for a model
+    without generate, or whose generate is an instance attribute already (someone else's wrapper: left alone, and
+    then every forward exchanges, which is safe)."""
+    if not callable(getattr(type(root), "generate", None)) or "generate" in root.__dict__:
+        return None
+    method = types.MethodType(generate, root)
+    root.__dict__["generate"] = method
+    return method
+
+
+def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``type(model).generate``, told which forwards belong to one generate call, with ``synced_gpus`` defaulting
+    to True where the model is sharded across ranks: transformers' own default for FSDP-managed modules, made
+    independent of how a transformers release detects them (ranks that stop at different lengths keep running
+    forwards together, else the ones still decoding wait in an all-gather no other rank makes)."""
+    hooks = _INSTALLED.get(self, [])
+    if kwargs.get("synced_gpus") is None and _multi_rank():
+        tower = next((t for t in (h._tower() for h in hooks) if t is not None), None)
+        if tower is not None and _fsdp_managed(self, tower):
+            kwargs["synced_gpus"] = True
+    for h in hooks:
+        h._generating.append(0)
+    try:
+        return type(self).generate(self, *args, **kwargs)
+    finally:
+        for h in hooks:
+            h._generating.pop()
 
 
 class _KnownFamily(MixedBatches):
     """A table family: count the tower calls, exchange counts, top up with dummies before the text model."""
 
     def __init__(self, root: nn.Module, inner: nn.Module, path: str, family: VisionFamily, mode: str) -> None:
-        super().__init__(root, path, mode)
+        super().__init__(root, inner.visual, f"{path}.visual" if path else "visual", mode)
+        self.path = path
         self.family = family
         self._inner = weakref.ref(inner)
         self._calls = 0
-        self._target: int | None = None  # tower calls every rank makes in this forward; None = not in a forward
-        self._handles = [
+        self._target: int | None = None  # tower calls every rank makes in this forward; None = not counting
+        self._exchanged = False  # the root's pre-forward exchanged this forward's counts (the inner forward's own)
+        self._zero: torch.Tensor | None = None  # dummies' zero term, joining the text model's inputs_embeds
+        self._handles += [
             inner.register_forward_pre_hook(_marked(self._pre_forward), with_kwargs=True),
             inner.register_forward_hook(_marked(self._post_forward), always_call=True),
-            inner.visual.register_forward_pre_hook(_marked(self._on_tower_call)),
             inner.language_model.register_forward_pre_hook(_marked(self._before_text_model), with_kwargs=True),
         ]
 
+    def _own_calls(self, inputs: dict[str, Any]) -> int:
+        return sum(inputs.get(pixels) is not None for pixels, _ in self.family.inputs)
+
+    def _aligned(self) -> bool:
+        inner = self._inner()
+        return inner is not None and _forward_is_transformers(inner) and self._activate()
+
+    def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._target, self._exchanged, self._zero, self._calls = None, False, None, 0
+        if not self._aligned():
+            return
+        inputs = _call_inputs(module, args, kwargs)
+        visible = _shows(module, [pixels for pixels, _ in self.family.inputs])
+        own = self._own_calls(inputs)
+        if self._decode_step(inputs):
+            if own:
+                raise FsdpCompatError(
+                    f"fsdp-compat: mixed micro-batches: {self.root_class}.generate passed vision input to a forward "
+                    "that decodes from a cache; the other ranks make no exchange there, so the tower's collectives "
+                    "would fall out of step. Pass vision inputs only to the first forward of a cache (transformers' "
+                    "prepare_inputs_for_generation does), or set FSDP_COMPAT_MIXED_BATCHES=always"
+                )
+            self.decode_steps += 1
+            self._target, self._exchanged = 0, True
+            return
+        if self.mode == "always":
+            if visible:
+                self._target, self._exchanged = max(own, 1), True
+            return
+        while True:  # until no rank is calling the tower outside a forward
+            counts = self._exchange(own)
+            if min(counts.values()) != _OUTSIDE:
+                break
+            self._outside_dummy(module, _input_device(inputs, module))
+        if visible:  # the root's forward shows the vision inputs: these are the inner forward's counts too
+            self._set_target(own, counts)
+            self._exchanged = True
+
+    def _set_target(self, own: int, counts: dict[int, int]) -> None:
+        self._target = max(counts.values())
+        if own < self._target:
+            logger.debug(
+                "fsdp-compat: mixed micro-batches: %s: %d tower call(s) here, %d on rank(s) %s: dummy input",
+                self.path or self.root_class, own, self._target, _ranks(counts, lambda c: c == self._target),
+            )  # fmt: skip
+
+    def _end(self) -> None:
+        self._target, self._exchanged, self._zero = None, False, None
+
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._calls = 0
+        if self._exchanged:  # decided at the root's pre-forward
+            self._exchanged = False
+            return
         self._target = None
-        if not _forward_is_transformers(module):  # e.g. verl's GLM4V / Qwen-VL forwards run their own dummy
+        if not self._aligned():
             return
-        if not self._activate(module.visual):
-            return
-        bound = _bind(module, args, kwargs)
-        own = sum(bound.get(pixels) is not None for pixels, _ in self.family.inputs)
+        own = self._own_calls(_bind(module, args, kwargs))
         if self.mode == "always":
             self._target = max(own, 1)
         else:
-            counts = _exchange(self._mesh, own, _device_of(args, kwargs, module))
-            self.exchanges += 1
-            self._target = max(counts)
-            if own < self._target:
-                logger.debug(
-                    "fsdp-compat: mixed micro-batches: %s: %d tower call(s) here, %d on rank(s) %s: dummy input",
-                    self.path or self.root_class, own, self._target, _ranks(counts, lambda c: c == self._target),
-                )  # fmt: skip
-        self._calls = 0
+            self._set_target(own, self._exchange(own))
 
     def _post_forward(self, *_: Any) -> None:
         self._target = None
 
-    def _on_tower_call(self, *_: Any) -> None:
+    def _count_tower_call(self) -> None:
         if self._target is not None:
             self._calls += 1
 
-    def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._target is None or self._calls >= self._target:
-            return None
+    def _announce_outside_call(self) -> None:
+        if self.mode != "sync":
+            return
+        if self._generating and self._generating[-1] > 0:
+            raise FsdpCompatError(
+                f"fsdp-compat: mixed micro-batches: the vision tower of {self.root_class} was called between two "
+                "decode steps of generate; the other ranks make no exchange there. Encode vision input before "
+                "generate starts, or set FSDP_COMPAT_MIXED_BATCHES=always"
+            )
+        self._exchange(_OUTSIDE)
+
+    def _outside_dummy(self, root: nn.Module, device: torch.device) -> None:
+        """Another rank calls the tower outside a forward: the same unshards and a tower call on a zero dummy. The
+        root group is unsharded already (this runs after FSDP2's root pre-forward). Under grad the output's zero
+        joins this forward's text model, so backward runs the tower's reduce-scatters here too."""
         inner = self._inner()
         assert inner is not None
-        missing = self._target - self._calls
-        self._target = None  # the dummies' own tower calls are not counted
-        name, embeds = _inputs_embeds(module, args, kwargs)
+        self._unshard_enclosing(root)
         visual = inner.visual
-        zero = None
-        for _ in range(missing):
-            pixels, grid = self.family.dummy(inner.config.vision_config, embeds.device, visual.dtype)
-            features = inner.get_image_features(pixels, grid)
-            for t in _floating_tensors(features):
-                term = t.sum() * 0.0
-                zero = term if zero is None else zero + term
-            self.dummy_calls += 1
+        pixels, grid = self.family.dummy(inner.config.vision_config, device, visual.dtype)
+        target, self._target = self._target, None  # not counted as this forward's own calls
+        try:
+            zero = _zero_of(inner.get_image_features(pixels, grid))
+        finally:
+            self._target = target
+        self.dummy_calls += 1
+        if torch.is_grad_enabled() and zero is not None:
+            self._zero = zero if self._zero is None else self._zero + zero
+
+    def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        zero, self._zero = self._zero, None
+        if self._target is not None and self._calls < self._target:
+            inner = self._inner()
+            assert inner is not None
+            missing = self._target - self._calls
+            self._target = None  # the dummies' own tower calls are not counted
+            _, embeds = _inputs_embeds(module, args, kwargs)
+            visual = inner.visual
+            for _ in range(missing):
+                pixels, grid = self.family.dummy(inner.config.vision_config, embeds.device, visual.dtype)
+                term = _zero_of(inner.get_image_features(pixels, grid))
+                if term is not None:
+                    zero = term if zero is None else zero + term
+                self.dummy_calls += 1
         if zero is None:
             return None
+        name, embeds = _inputs_embeds(module, args, kwargs)
         embeds = embeds + zero.to(embeds.dtype)
         if name in kwargs:
             return args, {**kwargs, name: embeds}
         index = list(inspect.signature(module.forward).parameters).index(name)
         return (*args[:index], embeds, *args[index + 1 :]), kwargs
-
-
-def _bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    if not args:
-        return kwargs
-    try:
-        return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
-    except TypeError:
-        return kwargs
 
 
 def _inputs_embeds(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, torch.Tensor]:
@@ -364,7 +672,7 @@ def _inputs_embeds(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 # --------------------------------------------------------------------------------------- VLMs outside the table
 
 
-def _unknown_vlm(model: nn.Module) -> MixedBatches | None:
+def _unknown_vlm(model: nn.Module, mode: str) -> MixedBatches | None:
     """A model that takes ``pixel_values*`` and has a vision tower, but no row in :data:`FAMILIES`."""
     try:
         parameters = inspect.signature(model.forward).parameters
@@ -375,6 +683,8 @@ def _unknown_vlm(model: nn.Module) -> MixedBatches | None:
         return None
     for path, module in model.named_modules():
         if path.rpartition(".")[2] in _TOWER_NAMES:
+            if mode == "off":
+                return MixedBatches(model, module, path, mode)
             return _UnknownFamily(model, module, path, pixel_args)
     return None
 
@@ -383,28 +693,35 @@ class _UnknownFamily(MixedBatches):
     """No dummy is known: where ranks disagree on having vision input, fail on every rank with one clear error."""
 
     def __init__(self, model: nn.Module, tower: nn.Module, path: str, pixel_args: tuple[str, ...]) -> None:
-        super().__init__(model, path, "sync")
+        super().__init__(model, tower, path, "sync")
         self.pixel_args = pixel_args
-        self._tower = weakref.ref(tower)
-        self._handles = [model.register_forward_pre_hook(_marked(self._pre_forward), with_kwargs=True)]
 
-    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        tower = self._tower()
-        if tower is None or not _forward_is_transformers(module) or not self._activate(tower):
+    def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not _forward_is_transformers(module) or not self._activate():
             return
-        bound = _bind(module, args, kwargs)
-        own = int(any(bound.get(name) is not None for name in self.pixel_args))
-        counts = _exchange(self._mesh, own, _device_of(args, kwargs, module))
-        self.exchanges += 1
-        if len(set(counts)) > 1:
-            names = ", ".join(family.name for family in FAMILIES)
-            raise FsdpCompatError(
-                f"fsdp-compat: mixed micro-batches: rank(s) {_ranks(counts, lambda c: c == 0)} have no "
-                f"{'/'.join(self.pixel_args)} in this forward of {self.root_class} while rank(s) "
-                f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) is sharded by FSDP2, so the ranks' "
-                "collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat has no dummy input "
-                f"for this model (it has one for: {names}). Fix: give every micro-batch vision input, or run the "
-                f"tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its output to the "
-                f"input embeddings (as verl's VLM forwards do), or add a row for {self.root_class} to "
-                "fsdp_compat.mixed_batches.FAMILIES."
-            )
+        inputs = _call_inputs(module, args, kwargs)
+        own = int(any(inputs.get(name) is not None for name in self.pixel_args))
+        if self._decode_step(inputs) and not own:
+            self.decode_steps += 1
+            return
+        counts = self._exchange(own)
+        if len(set(counts.values())) > 1:
+            self._raise(counts)
+
+    def _announce_outside_call(self) -> None:
+        counts = self._exchange(_OUTSIDE)
+        if len(set(counts.values())) > 1:
+            self._raise({r: int(c != 0) for r, c in counts.items()})
+
+    def _raise(self, counts: dict[int, int]) -> None:
+        names = ", ".join(family.name for family in FAMILIES)
+        raise FsdpCompatError(
+            f"fsdp-compat: mixed micro-batches: rank(s) {_ranks(counts, lambda c: c == 0)} have no "
+            f"{'/'.join(self.pixel_args)} in this forward of {self.root_class} while rank(s) "
+            f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) is sharded by FSDP2, so the ranks' "
+            "collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat has no dummy input "
+            f"for this model (it has one for: {names}). Fix: give every micro-batch vision input, or run the "
+            f"tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its output to the "
+            f"input embeddings (as verl's VLM forwards do), or add a row for {self.root_class} to "
+            "fsdp_compat.mixed_batches.FAMILIES."
+        )

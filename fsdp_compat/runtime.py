@@ -1,6 +1,8 @@
 """What every plan applier installs on the root model it shards, in one call: the run-time guard (a read the plan
 did not foresee unshards its group instead of crashing) and mixed micro-batch alignment (a rank without images
-still issues the vision tower's collectives)."""
+still issues the vision tower's collectives; a vision-tower call outside the model's forward, as in ``generate``,
+is unsharded and counted; ``generate`` keeps the ranks in step). A user of plain FSDP2 calls it too, after
+``fully_shard``: the outside-forward tower crash and the mixed-batch mismatch are FSDP2's, under every plan."""
 
 from __future__ import annotations
 

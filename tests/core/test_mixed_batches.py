@@ -166,6 +166,18 @@ def test_family_table_rows_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(first) == 1 and install_mixed_batches(model) == first  # idempotent
 
 
+def test_off_keeps_outside_tower_calls_working_but_reports_no_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``off`` returns no alignment hooks (nothing to count), yet ``generate`` is still wrapped (``synced_gpus``) and
+    a later install with another mode replaces the off hooks instead of returning them."""
+    from fsdp_compat.testing.zoo import build_model
+
+    model = build_model("glm4v")
+    assert install_mixed_batches(model, "off") == []
+    assert "generate" in vars(model)  # the wrapped generate
+    (hooks,) = install_mixed_batches(model, "sync")
+    assert hooks.mode == "sync" and install_mixed_batches(model, "sync") == [hooks]
+
+
 def test_unsharded_model_is_untouched() -> None:
     """Without FSDP2 groups in the tower (one process, no fully_shard) the hooks never exchange or add a dummy."""
     import torch
@@ -178,3 +190,9 @@ def test_unsharded_model_is_untouched() -> None:
     batch = make_batch("glm4v", variant="text")
     assert torch.equal(model(**batch).logits, reference(**batch).logits)
     assert hooks.dummy_calls == 0 and hooks.exchanges == 0
+    assert hooks._active is None  # not sharded yet: decided again at the next forward (a later fully_shard)
+    with torch.no_grad():  # generate on an unsharded model: the wrapper changes nothing
+        prompt = {k: v for k, v in batch.items() if k != "labels"}
+        got = model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, reference.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0))
+    assert hooks.exchanges == 0 and hooks.decode_steps == 0
