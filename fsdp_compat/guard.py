@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.tree import ModuleTree
 
@@ -55,7 +56,6 @@ ENV_GUARD = "FSDP_COMPAT_GUARD"
 # How long a rank about to unshard at a read waits for every rank of the group to reach the same read (seconds).
 ENV_AGREE_S = "FSDP_COMPAT_GUARD_AGREE_S"
 _AGREE_S_DEFAULT = 60.0
-_OFF = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 logger = logging.getLogger("fsdp_compat")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -88,8 +88,8 @@ class GuardReadMismatch(FsdpCompatError):
 
 
 def guard_enabled() -> bool:
-    """False when ``FSDP_COMPAT_GUARD`` is off (``off``, ``0``, ``false``, ``no``); on by default."""
-    return os.environ.get(ENV_GUARD, "on").strip().lower() not in _OFF
+    """False when ``FSDP_COMPAT_GUARD`` is off (:mod:`fsdp_compat.switches`); on by default; an unknown value raises."""
+    return switches.flag(ENV_GUARD, True, strict=True)
 
 
 #: The oldest torch whose FSDP2 internals behave as the guard assumes (``tests/guard/test_guard_contract.py`` passes
