@@ -37,6 +37,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from fsdp_compat import export
 from fsdp_compat.activation import Release, Replacement, declare
 
 from . import trigger
@@ -61,7 +62,7 @@ __all__ = [
 
 FSDP_MODULE = trigger("transformers")
 MIXIN_MODULE = "transformers.distributed.mixin"  # binds apply_fully_sharded_data_parallelism by name
-FREE, KEEP = "free_full_weight", "keep_full_weight"
+FREE, KEEP = export.FREE, export.KEEP  # transformers' two plan styles; one home: fsdp_compat.export
 
 PairTest = Callable[[list[tuple[str, Any]], Any], bool]
 

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.tree import ModuleTree
+from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
 __all__ = [
     "ENV_AGREE_S", "ENV_GUARD", "MIN_TORCH", "Guard", "GuardEvent", "GuardReadMismatch", "guard_enabled", "guard_of",
@@ -554,11 +555,3 @@ def _advice(owner: str, reader: str, *, forward_ran: bool) -> str:
 def _common_ancestor(a: str, b: str) -> str:
     pairs = itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a.split("."), b.split("."), strict=False))
     return ".".join(x for x, _ in pairs)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover

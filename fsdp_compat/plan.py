@@ -36,6 +36,7 @@ from fsdp_compat.safety import (
 )
 from fsdp_compat.safety import forbidden as forbidden_roots
 from fsdp_compat.tree import ModuleTree, repeated_block_classes
+from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
 LayerClasses = Iterable[str | type] | str | type | None
 
@@ -324,14 +325,6 @@ def _lift_target(tree: ModuleTree, events: list[RawRead]) -> str:
 
 def _subtree_bytes(tree: ModuleTree, path: str) -> int:
     return sum(p.numel() * p.element_size() for _, p in tree.subtree_params(path))
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
 
 
 def _decide_auto(

@@ -104,3 +104,23 @@ def test_importing_an_adapter_imports_no_torch_and_no_analysis(key: str) -> None
         """
     )
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
+
+
+def test_each_adapter_names_its_framework_one_way_in_its_warnings() -> None:
+    """The selection helpers log the framework by the name each call passes (AReaL's adapter once wrote "areal" in
+    one warning and "AReaL" in another): every adapter module passes one name."""
+    import ast
+    from pathlib import Path
+
+    import fsdp_compat.adapters as package
+
+    helpers = {"keep_safe", "outdated_fallback", "warn_unmatched"}
+    for source in sorted(Path(package.__file__).parent.glob("[!_]*.py")):  # the adapters, not the helpers
+        calls = [
+            node
+            for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers
+        ]
+        names = {c.args[0].value for c in calls if c.args and isinstance(c.args[0], ast.Constant)}
+        assert len(names) <= 1, (source.name, sorted(names))
+        assert all(c.args and isinstance(c.args[0], ast.Constant) for c in calls), source.name
