@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from fsdp_compat.activation import logger
+from fsdp_compat.paths import within
 
 __all__ = [
     "DeferredShards",
@@ -139,11 +140,6 @@ def warn_unmatched(framework: str, model: Any, names: list[str], kept: list[str]
     )
 
 
-def _inside(path: str, other: str) -> bool:
-    """``other`` is ``path`` or below it."""
-    return not path or other == path or other.startswith(path + ".")
-
-
 def bottom_up(model: Any, targets: list[Any]) -> list[Any]:
     """``targets`` in the framework's order, except that a module's descendants in the list move right before it
     (``fully_shard`` needs children first; verl's list can put a peft wrapper before the embedding inside it)."""
@@ -159,7 +155,7 @@ def bottom_up(model: Any, targets: list[Any]) -> list[Any]:
         if path is not None:
             for other in targets:
                 other_path = paths.get(id(other))
-                if other is not target and other_path is not None and _inside(path, other_path) and other_path != path:
+                if other is not target and other_path is not None and within(other_path, path) and other_path != path:
                     emit(other)
         out.append(target)
 

@@ -83,7 +83,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         names = configured_layer_classes(model, wrap_policy)
         outdated = unmatched(model, names)
         if outdated is not None:
-            targets = outdated_fallback("areal", model, outdated, True)
+            targets = outdated_fallback("AReaL", model, outdated, True)
         else:
             targets = keep_safe("AReaL", model, areal_selection(model, names))
         for module in targets:

@@ -37,6 +37,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from fsdp_compat import export
 from fsdp_compat.activation import Release, Replacement, declare
 
 from . import trigger
@@ -61,7 +62,7 @@ __all__ = [
 
 FSDP_MODULE = trigger("transformers")
 MIXIN_MODULE = "transformers.distributed.mixin"  # binds apply_fully_sharded_data_parallelism by name
-FREE, KEEP = "free_full_weight", "keep_full_weight"
+FREE, KEEP = export.FREE, export.KEEP  # transformers' two plan styles; one home: fsdp_compat.export
 
 PairTest = Callable[[list[tuple[str, Any]], Any], bool]
 
@@ -99,23 +100,21 @@ def fix_fsdp_plan(
 ) -> tuple[dict[str, str], list[Change]]:
     """``fsdp_plan`` made safe for ``model``, in its order, and the changes; a safe plan comes back equal.
 
-    Repeats until transformers' grouping of the result (which can bundle the kept tail differently once an entry
-    changed style) is itself safe.
+    Once the repair is safe, transformers' grouping of the result (which can bundle the kept tail differently once an
+    entry changed style) is repaired again: :func:`plan_groups` is the repair's ``regroup``.
     """
     from fsdp_compat.repair import repair_groups
 
-    plan = dict(fsdp_plan)
-    changes: list[Change] = []
-    tied = tied_module_sets(model)
-    for _ in range(len(plan) + 1):
-        groups = plan_groups(model, plan, is_pair)
-        kept, step = repair_groups(model, groups, sharers=tied)
-        if not step:
-            break
-        changes.extend(step)
-        style = {path: (FREE if g.reshard_after_forward else KEEP) for g in kept for path in g.paths}
-        plan = {name: style[name] for name in plan if name in style}
-    return plan, changes
+    def styles(groups: list[ForeignGroup]) -> dict[str, str]:
+        style = {path: (FREE if g.reshard_after_forward else KEEP) for g in groups for path in g.paths}
+        return {name: style[name] for name in fsdp_plan if name in style}
+
+    def regroup(groups: list[ForeignGroup]) -> list[ForeignGroup]:
+        return plan_groups(model, styles(groups), is_pair)
+
+    groups = plan_groups(model, dict(fsdp_plan), is_pair)
+    kept, changes = repair_groups(model, groups, sharers=tied_module_sets(model), regroup=regroup)
+    return (styles(kept) if changes else dict(fsdp_plan)), changes
 
 
 def _is_rank_zero() -> bool:

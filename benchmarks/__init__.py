@@ -15,20 +15,17 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from fsdp_compat import units
 from fsdp_compat.policies import POLICY_ORDER  # one home: every policy, auto last
 
 __all__ = ["POLICY_ORDER", "fmt_bytes", "fmt_ratio", "format_table", "fsdp2_unsharded_estimate"]
 
 
 def fmt_bytes(n: float | None) -> str:
-    """Binary units, 3 significant figures; '-' for a missing value."""
+    """Binary units, 3 significant figures (:func:`fsdp_compat.units.fmt_bytes`); '-' for a missing value."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}" if n < 100 else f"{n:.0f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+    return units.fmt_bytes(n, decimals=None)
 
 
 def fmt_ratio(num: float | None, den: float | None) -> str:

@@ -1,9 +1,9 @@
 """The switches and fsdp-compat's one import-hook engine; what ``fsdp_compat.pth`` runs.
 
 Everything here must stay cheap, because the installed ``.pth`` calls :func:`install` in every Python process of
-the environment (SkyRL's Ray workers, verl's critic worker): this module imports only ``os``, ``sys``, ``_thread``
-(which every interpreter has loaded already) and the adapter index :mod:`fsdp_compat.adapters` (constants only).
-Importing it has no side effect.
+the environment (SkyRL's Ray workers, verl's critic worker): this module imports only ``sys``, ``_thread`` (which
+every interpreter has loaded already), the switch reader :mod:`fsdp_compat.switches` (``os`` and ``sys``) and the
+adapter index :mod:`fsdp_compat.adapters` (constants only). Importing it has no side effect.
 
 **The engine.** :class:`ImportHooks` is a single meta-path finder that answers only for module names somebody
 watches (one dict lookup per import otherwise) and runs callbacks right after such a module has executed, before
@@ -21,9 +21,9 @@ The adapters and their triggers come from :data:`fsdp_compat.adapters.ADAPTERS`,
 from __future__ import annotations
 
 import _thread
-import os
 import sys
 
+import fsdp_compat.switches as switches
 from fsdp_compat.adapters import ADAPTERS
 
 TYPE_CHECKING = False
@@ -32,49 +32,37 @@ if TYPE_CHECKING:  # typing is not loaded at interpreter start; keep it that way
     from types import ModuleType
 
 # ------------------------------------------------------------------------------------------------------ switches
+# Read by fsdp_compat.switches, the one reader (one vocabulary of on and off); at start-up a value it does not
+# understand is a warning and the default, never an error.
 
-ENV_SWITCH = "FSDP_COMPAT"  #: off/0/false/no: no automatic activation at all (explicit patch() still works)
-ENV_AUTOLOAD = "FSDP_COMPAT_AUTOLOAD"  #: 0: only the .pth start-up hook is off
-ENV_POLICY = "FSDP_COMPAT_POLICY"  #: the wrap policy the adapters use (default auto)
-ENV_FORCE = "FSDP_COMPAT_FORCE"  #: 1: patch a framework version outside the supported range
-ENV_LOG = "FSDP_COMPAT_LOG"  #: quiet: drop the INFO lines
-_OFF_VALUES = frozenset({"off", "0", "false", "no"})
-_ON_VALUES = frozenset({"1", "true", "yes", "on"})
-
-#: Every log line and warning starts with this, whatever handler formats it, so job logs can be grepped for it.
-PREFIX = "fsdp-compat:"
-
-
-def _env(variable: str) -> str:
-    return os.environ.get(variable, "").strip().lower()
+ENV_SWITCH = switches.SWITCH  #: off: no automatic activation at all (explicit patch() still works)
+ENV_AUTOLOAD = switches.AUTOLOAD  #: off: only the .pth start-up hook is off
+ENV_POLICY = switches.POLICY  #: the wrap policy the adapters use (default auto)
+ENV_FORCE = switches.FORCE  #: on: patch a framework version outside the supported range
+ENV_LOG = switches.LOG  #: quiet: drop the INFO lines
+PREFIX = switches.PREFIX
+warn = switches.warn
 
 
 def automatic_activation_enabled() -> bool:
-    """False when ``FSDP_COMPAT`` is off/0/false/no: no .pth hook, entry point or import-time patching."""
-    return _env(ENV_SWITCH) not in _OFF_VALUES
+    """False when ``FSDP_COMPAT`` is off: no .pth hook, entry point or import-time patching."""
+    return switches.flag(ENV_SWITCH, True)
 
 
 def autoload_enabled() -> bool:
-    """False when automatic activation is off or ``FSDP_COMPAT_AUTOLOAD=0`` (only the .pth hooks are off)."""
-    return automatic_activation_enabled() and _env(ENV_AUTOLOAD) not in _OFF_VALUES
+    """False when automatic activation is off or ``FSDP_COMPAT_AUTOLOAD`` is off (only the .pth hooks are off)."""
+    return automatic_activation_enabled() and switches.flag(ENV_AUTOLOAD, True)
 
 
 def force_enabled() -> bool:
-    """``FSDP_COMPAT_FORCE=1``: patch an unknown or unsupported framework version anyway (with a warning)."""
-    return _env(ENV_FORCE) in _ON_VALUES
+    """``FSDP_COMPAT_FORCE`` on: patch an unknown or unsupported framework version anyway (with a warning)."""
+    return switches.flag(ENV_FORCE, False)
 
 
 def quiet() -> bool:
-    """``FSDP_COMPAT_LOG=quiet`` (or off/0/warning): INFO lines are dropped, warnings stay."""
-    return _env(ENV_LOG) in {"quiet", "off", "0", "warning"}
-
-
-def warn(message: str) -> None:
-    """Report on stderr without importing logging or warnings (this may run at interpreter start)."""
-    try:  # noqa: SIM105 - contextlib is not imported at start; keep it that way
-        sys.stderr.write(f"{PREFIX} {message}\n")
-    except Exception:  # no usable stderr (pythonw, closed pipe): nothing more to do
-        pass
+    """``FSDP_COMPAT_LOG=quiet`` (or off, or warning): INFO lines are dropped, warnings stay."""
+    level = switches.choice(ENV_LOG, ("info", "quiet"), "info", on="info", off="quiet", aliases={"warning": "quiet"})
+    return level == "quiet"
 
 
 # ------------------------------------------------------------------------------------------------------- engine

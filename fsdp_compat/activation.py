@@ -35,7 +35,7 @@ from typing import ClassVar
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from fsdp_compat import _autoload
+from fsdp_compat import _autoload, switches
 from fsdp_compat._autoload import (
     ENV_AUTOLOAD,
     ENV_FORCE,
@@ -50,6 +50,7 @@ from fsdp_compat._autoload import (
 from fsdp_compat.adapters import ADAPTERS, AdapterEntry
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Applied, Patch, Reexport, Replacement, apply, import_modules
+from fsdp_compat.policies import POLICY_NAMES
 
 __all__ = [
     "ENV_AUTOLOAD",
@@ -79,20 +80,7 @@ class FsdpCompatWarning(UserWarning):
 
 def policy_from_env() -> str:
     """The policy that ``FSDP_COMPAT_POLICY`` names (default "auto"); a bad name raises, listing the valid."""
-    import os
-
-    raw = os.environ.get(ENV_POLICY, "").strip()
-    if not raw:
-        return "auto"
-    from fsdp_compat.policies import POLICY_NAMES  # lazy: the policies import torch
-
-    name = raw.lower()
-    if name not in POLICY_NAMES:
-        raise FsdpCompatError(
-            f"{ENV_POLICY}={raw!r} is not a policy name; set it to one of {', '.join(POLICY_NAMES)} "
-            f"or unset it for 'auto'."
-        )
-    return name
+    return switches.choice(ENV_POLICY, POLICY_NAMES, "auto", what="a policy name", strict=True)
 
 
 # ---------------------------------------------------------------------------------------------------- logging

@@ -7,15 +7,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from fsdp_compat.paths import within
 from fsdp_compat.policies import POLICY_ORDER
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+from fsdp_compat.units import fmt_bytes
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -50,24 +44,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         problems = unsafe_reads(model, other)
         sizes = other.per_rank_bytes(world)
         verdict = "ok" if not problems else f"crash: {problems[0]}"
-        print(
-            f"  {name:<13} {len(other.groups):>6} {other.root_params:>12,} {_fmt_bytes(sizes['resident']):>11} "
-            f"{_fmt_bytes(sizes['peak_forward']):>11}  {verdict}"
-        )
+        resident, peak = (fmt_bytes(sizes[k], decimals=2) for k in ("resident", "peak_forward"))
+        print(f"  {name:<13} {len(other.groups):>6} {other.root_params:>12,} {resident:>11} {peak:>11}  {verdict}")
     return 0
-
-
-def _inside(path: str, other: str) -> bool:
-    """``other`` is ``path`` or below it (``""`` is the root)."""
-    return not path or other == path or other.startswith(path + ".")
 
 
 def _costs_sharding(event: Any, plan: Any) -> bool:
     """Whether a piece of evidence explains a module that is not its own group (the rest is noise for a reader)."""
     kept = [entry.path for entry in plan.root]
     if event.kind == "opaque":
-        return any(_inside(event.reader, path) for path in kept)
-    return any(_inside(path, event.owner) or _inside(event.owner, path) for path in kept)
+        return any(within(path, event.reader) for path in kept)
+    return any(within(event.owner, path) or within(path, event.owner) for path in kept)
 
 
 def _check_smoke_request(framework: str, device: str) -> None:

@@ -43,8 +43,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.tree import ModuleTree
+from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
 __all__ = [
     "ENV_AGREE_S", "ENV_GUARD", "MIN_TORCH", "Guard", "GuardEvent", "GuardReadMismatch", "guard_enabled", "guard_of",
@@ -55,7 +57,6 @@ ENV_GUARD = "FSDP_COMPAT_GUARD"
 # How long a rank about to unshard at a read waits for every rank of the group to reach the same read (seconds).
 ENV_AGREE_S = "FSDP_COMPAT_GUARD_AGREE_S"
 _AGREE_S_DEFAULT = 60.0
-_OFF = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 logger = logging.getLogger("fsdp_compat")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -88,8 +89,8 @@ class GuardReadMismatch(FsdpCompatError):
 
 
 def guard_enabled() -> bool:
-    """False when ``FSDP_COMPAT_GUARD`` is off (``off``, ``0``, ``false``, ``no``); on by default."""
-    return os.environ.get(ENV_GUARD, "on").strip().lower() not in _OFF
+    """False when ``FSDP_COMPAT_GUARD`` is off (:mod:`fsdp_compat.switches`); on by default; an unknown value raises."""
+    return switches.flag(ENV_GUARD, True, strict=True)
 
 
 #: The oldest torch whose FSDP2 internals behave as the guard assumes (``tests/guard/test_guard_contract.py`` passes
@@ -554,11 +555,3 @@ def _advice(owner: str, reader: str, *, forward_ran: bool) -> str:
 def _common_ancestor(a: str, b: str) -> str:
     pairs = itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a.split("."), b.split("."), strict=False))
     return ".".join(x for x, _ in pairs)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -62,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 
 __all__ = [
@@ -85,13 +85,9 @@ _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "ima
 
 
 def mixed_batches_mode() -> str:
-    """``FSDP_COMPAT_MIXED_BATCHES`` (``sync`` when unset); an unknown value is an error naming the choices."""
-    value = os.environ.get(ENV_MIXED_BATCHES, "sync").strip().lower() or "sync"
-    if value in ("0", "false", "no", "disable", "disabled"):
-        value = "off"
-    if value not in MODES:
-        raise FsdpCompatError(f"{ENV_MIXED_BATCHES}={value!r} is not one of {', '.join(MODES)}")
-    return value
+    """``FSDP_COMPAT_MIXED_BATCHES`` (``sync`` when unset; the on spellings mean ``sync``, the off spellings ``off``:
+    :mod:`fsdp_compat.switches`); an unknown value is an error naming the choices."""
+    return switches.choice(ENV_MIXED_BATCHES, MODES, "sync", on="sync", off="off", strict=True)
 
 
 # ------------------------------------------------------------------------------------------------ family table

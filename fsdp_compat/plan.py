@@ -22,9 +22,21 @@ from torch import nn
 from fsdp_compat.analysis import RawRead, find_raw_reads
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.policies import Auto, InputOnly, LayersOnly, Legacy, Policy, resolve_policy
-from fsdp_compat.safety import Key, Layout, sharer_sets, violation, violations
+from fsdp_compat.safety import (
+    GroupSpec,
+    Key,
+    Layout,
+    Problem,
+    bottom_up,
+    is_split,
+    settle,
+    sharer_sets,
+    split_parameters,
+    violation,
+)
 from fsdp_compat.safety import forbidden as forbidden_roots
 from fsdp_compat.tree import ModuleTree, repeated_block_classes
+from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
 LayerClasses = Iterable[str | type] | str | type | None
 
@@ -315,14 +327,6 @@ def _subtree_bytes(tree: ModuleTree, path: str) -> int:
     return sum(p.numel() * p.element_size() for _, p in tree.subtree_params(path))
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def _decide_auto(
     tree: ModuleTree, candidates: dict[str, tuple[str, str]], events: list[RawRead], policy: Auto
 ) -> Layout:
@@ -332,13 +336,13 @@ def _decide_auto(
         kind, reason = candidates[path]
         blockers = forbidden.get(path)
         if not blockers:
-            decisions.roots.setdefault((path,), (kind, reason, {}))
+            decisions.groups.setdefault((path,), GroupSpec(kind, reason))
             continue
         evidence = blockers[0].describe()
         if policy.allow_no_reshard and all(
             e.kind == "raw-read" and path in e.after_forward_of for e in blockers
         ):
-            decisions.roots[(path,)] = (
+            decisions.groups[(path,)] = GroupSpec(
                 "no-reshard",
                 f"{reason}; read again after its own forward ({evidence}): kept unsharded until backward",
                 {"reshard_after_forward": False},
@@ -347,12 +351,12 @@ def _decide_auto(
         target = _lift_target(tree, blockers)
         size = _subtree_bytes(tree, path)
         if target and target not in forbidden and size >= policy.lift_min_bytes:
-            previous = decisions.roots.get((target,))
+            previous = decisions.groups.get((target,))
             note = f"lifted {path} ({_fmt_bytes(size)}): {evidence}"
             if previous is None:
-                decisions.roots[(target,)] = ("lifted", f"reader of {note}", {})
+                decisions.groups[(target,)] = GroupSpec("lifted", f"reader of {note}")
             else:
-                decisions.roots[(target,)] = (previous[0], f"{previous[1]}; {note}", previous[2])
+                decisions.groups[(target,)] = dataclasses.replace(previous, reason=f"{previous.reason}; {note}")
             decisions.kept[path] = f"{evidence}; lifted into the reader's group"
         elif target and target not in forbidden:
             decisions.kept[path] = (
@@ -367,11 +371,25 @@ def _decide_auto(
             )
     if policy.split_root_min_bytes is not None:
         _split_root(tree, decisions, forbidden, policy.split_root_min_bytes)
-    _keep_sharers_together(tree, decisions, forbidden, allow_groups=policy.allow_shared_groups)
-    _enforce_evidence(tree, decisions, events)
-    # Dropping a group never uncovers a read, but it can split sharers again: re-join them (only by dropping).
-    _keep_sharers_together(tree, decisions, forbidden, allow_groups=False)
+    sets = sharer_sets(tree)
+    if policy.allow_shared_groups:
+        _join_sharers(tree, decisions, forbidden, sets)
+    # The finished plan is checked against every piece of evidence once more, and against the sharers and the
+    # bottom-up order: whatever is still unsafe is dropped, so a planning bug degrades to "kept in the root".
+    settle(tree, decisions, events, sets, fix=_drop, ordered=True)
     return decisions
+
+
+def _drop(decisions: Layout, problem: Problem) -> None:
+    """The planner's fix: no group; the reason the plan prints for each member says what the group would break."""
+    if problem.kind == "read":
+        why = f"{problem.reads[0].describe()}; its group would be sharded there"
+    elif problem.kind == "split":
+        with_ = ", ".join(x for x in problem.sharers if x)
+        why = f"shares a Parameter with {with_}; kept with them in an enclosing group"
+    else:
+        why = "cannot be ordered bottom-up with the other groups; kept in the enclosing group"
+    decisions.drop(problem.key, why)
 
 
 def _split_root(tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[RawRead]], min_bytes: int) -> None:
@@ -380,7 +398,7 @@ def _split_root(tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[R
 
     The root group is unsharded for the whole forward; such a module's group only during its own forward (the
     peak model counts it as one more single-module group). The usual checks follow: a group the evidence forbids is
-    never made, and the finished plan is re-checked by ``_enforce_evidence``.
+    never made, and the finished plan is settled once more (:func:`~fsdp_compat.safety.settle`).
     """
     members = decisions.member_key()
     covered = {a for path in members for a in (path, *tree.ancestors(path))}  # groups at or below these
@@ -402,11 +420,10 @@ def _split_root(tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[R
                 return  # nothing below it weighs more (and a module without parameters needs no group)
             has_forward = type(module).forward is not nn.Module.forward
             if has_forward and path not in forbidden and path not in decisions.kept and own_params_only(path):
-                decisions.roots[(path,)] = (
+                decisions.groups[(path,)] = GroupSpec(
                     "split-from-root",
                     f"{type(module).__name__} ({_fmt_bytes(size)}) would stay in the root group, unsharded for the "
                     "whole forward; only its own forward reads its parameters",
-                    {},
                 )
                 return
         for child in module._modules.values():
@@ -420,102 +437,41 @@ def _split_root(tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[R
             visit(child_path)
 
 
-def _keep_sharers_together(
-    tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[RawRead]], *, allow_groups: bool
+def _join_sharers(
+    tree: ModuleTree, decisions: Layout, forbidden: dict[str, list[RawRead]], sets: list[tuple[str, ...]]
 ) -> None:
-    """Invariant 2: modules holding the same Parameter object live in one group (or all in an enclosing one)."""
-    sets = sharer_sets(tree)
-    for _ in range(len(sets) + 2):
-        changed = False
-        for sharers in sets:
-            members = decisions.member_key()
-            groups = {decisions.group_of(tree, s, members) for s in sharers}
-            if len(groups) == 1:
-                continue
-            changed = True
-            nested = any(
-                a != b and tree.is_ancestor_or_self(a, b) and a for a in sharers for b in sharers
-            )
-            touched = [k for k in groups if k != ("",)]
-            if allow_groups and not nested and not any(s in forbidden for s in sharers) and any(
-                (s,) in decisions.roots for s in sharers
-            ):
-                reasons = [decisions.roots[(s,)][1] for s in sharers if (s,) in decisions.roots]
-                for s in sharers:
-                    decisions.roots.pop((s,), None)
-                    decisions.kept.pop(s, None)
-                for key in touched:
-                    if len(key) > 1 and set(key) & set(sharers):
-                        decisions.roots.pop(key, None)
-                decisions.roots[tuple(sharers)] = (
-                    "shared",
-                    f"hold one Parameter object ({reasons[0]}): one group for all",
-                    {},
-                )
-                continue
-            why = f"shares a Parameter with {', '.join(x for x in sharers if x)}; kept with them in an enclosing group"
-            for node in tree.below_common_ancestor(sharers):
-                for key in list(decisions.roots):
-                    if node in key:
-                        decisions.drop(key, why)
-        if not changed:
-            return
-
-
-def _enforce_evidence(tree: ModuleTree, decisions: Layout, events: list[RawRead]) -> None:
-    """Re-check the finished plan against every piece of evidence; drop any group that would be sharded at a read."""
-    for _ in range(len(decisions.roots) + 1):
-        bad = violations(tree, decisions, events)
-        if not bad:
-            return
-        for key, found in bad.items():
-            for event in found:
-                decisions.drop(key, f"{event.describe()}; its group would be sharded there")
+    """Invariant 2, by grouping: modules holding the same Parameter object that are split across groups get one
+    group together (``fully_shard([a, b])``) when one of them has a group of its own, none is forbidden and none
+    sits inside another. Sharers that cannot be joined are left to :func:`~fsdp_compat.safety.settle`, which drops
+    the groups that separate them (so they share an enclosing group)."""
+    for sharers in sets:
+        if not is_split(tree, decisions, sharers):
+            continue
+        nested = any(a != b and tree.is_ancestor_or_self(a, b) and a for a in sharers for b in sharers)
+        own = [(s,) for s in sharers if (s,) in decisions.groups]
+        if nested or any(s in forbidden for s in sharers) or not own:
+            continue
+        touched = {decisions.group_of(tree, s) for s in sharers} - {("",)}
+        reasons = [decisions.groups[key].reason for key in own]
+        for s in sharers:
+            decisions.groups.pop((s,), None)
+            decisions.kept.pop(s, None)
+        for key in touched:
+            if len(key) > 1 and set(key) & set(sharers):
+                decisions.groups.pop(key, None)
+        why = f"hold one Parameter object ({reasons[0]}): one group for all"
+        decisions.groups[tuple(sharers)] = GroupSpec("shared", why)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ordering and accounting
 
 
-def _bottom_up(tree: ModuleTree, keys: list[Key]) -> tuple[list[Key], list[Key]]:
-    """Topological order, children first: a group comes after every group holding a descendant of its members.
-
-    Returns (order, stuck): ``stuck`` lists groups that would have to come both before and after another one (only
-    possible with multi-module groups); the caller dissolves those.
-    """
-    members = {path: key for key in keys for path in key}
-    waits_for: dict[Key, int] = dict.fromkeys(keys, 0)
-    unlocks: dict[Key, set[Key]] = {key: set() for key in keys}
-    for key in keys:
-        for path in key:
-            for ancestor in tree.ancestors(path):
-                parent_key = members.get(ancestor)
-                if parent_key is not None and parent_key != key and parent_key not in unlocks[key]:
-                    unlocks[key].add(parent_key)
-                    waits_for[parent_key] += 1
-
-    def rank(key: Key) -> tuple[int, Key]:
-        return (max(tree.post_order[p] for p in key), key)
-
-    ready = sorted((k for k in keys if waits_for[k] == 0), key=rank)
-    order: list[Key] = []
-    while ready:
-        key = ready.pop(0)
-        order.append(key)
-        for parent_key in unlocks[key]:
-            waits_for[parent_key] -= 1
-            if waits_for[parent_key] == 0:
-                ready.append(parent_key)
-        ready.sort(key=rank)
-    placed = set(order)
-    return order, [k for k in keys if k not in placed]
-
-
 def _account(
     tree: ModuleTree, decisions: Layout
 ) -> tuple[dict[Key, tuple[int, int]], tuple[int, int], tuple[int, int], dict[str, str]]:
     members = decisions.member_key()
-    sizes: dict[Key, list[int]] = {key: [0, 0] for key in decisions.roots}
+    sizes: dict[Key, list[int]] = {key: [0, 0] for key in decisions.groups}
     root = [0, 0]
     total = [0, 0]
     for pid, owners in tree.param_owners.items():
@@ -568,30 +524,23 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
             )
         decisions = _decide_auto(tree, candidates, analysis.events, chosen_policy)
     else:
-        decisions = Layout(roots={(p,): (kind, reason, {}) for p, (kind, reason) in candidates.items()})
-    order, stuck = _bottom_up(tree, list(decisions.roots))
-    while stuck:
-        if all(len(key) == 1 for key in stuck):  # pragma: no cover - a tree has no cycles
-            raise FsdpCompatError(f"cannot order groups {stuck} bottom-up; please report this model")
-        for key in stuck:
-            if len(key) > 1:
-                decisions.drop(key, "cannot be ordered bottom-up with the other groups; kept in the enclosing group")
-        _keep_sharers_together(tree, decisions, {}, allow_groups=False)
-        order, stuck = _bottom_up(tree, list(decisions.roots))
+        decisions = Layout(groups={(p,): GroupSpec(kind, reason) for p, (kind, reason) in candidates.items()})
+        settle(tree, decisions, (), fix=_drop, ordered=True)  # one module per group: always ordered
+    order, _ = bottom_up(tree, list(decisions.groups))  # settled: nothing is stuck
     sizes, root_size, total_size, enclosing = _account(tree, decisions)
     groups = tuple(
         Group(
             modules=tuple(tree.modules[p] for p in key),
             paths=key,
-            reason=decisions.roots[key][1],
-            kind=decisions.roots[key][0],
-            overrides=dict(decisions.roots[key][2]),
+            reason=decisions.groups[key].reason,
+            kind=decisions.groups[key].kind,
+            overrides=dict(decisions.groups[key].overrides),
             num_params=sizes[key][0],
             num_bytes=sizes[key][1],
         )
         for key in order
     )
-    in_groups = {p for key in decisions.roots for p in key}
+    in_groups = {p for key in decisions.groups for p in key}
     root_entries = tuple(
         RootEntry(
             path=path,
@@ -645,16 +594,16 @@ def unsafe_reads(model: nn.Module, plan: WrapPlan, evidence: Iterable[RawRead] |
     """
     tree = ModuleTree.build(model)
     events = list(evidence) if evidence is not None else find_raw_reads(model, tree).events
-    decisions = Layout(roots={g.paths: (g.kind, g.reason, dict(g.overrides)) for g in plan.groups})
+    decisions = Layout(groups={g.paths: GroupSpec(g.kind, g.reason, dict(g.overrides)) for g in plan.groups})
     members = decisions.member_key()
     problems = []
     for event in events:  # in evidence order: the CLI names the first one
         key = violation(tree, decisions, event, members)
         if key is not None:
             problems.append(f"{event.describe()}, but group {' + '.join(key)} is sharded there")
-    for owners in tree.param_owners.values():
-        groups = {decisions.group_of(tree, path, members) for path, _ in owners}
-        if len(groups) > 1:
+    split = set(split_parameters(tree, decisions, sharer_sets(tree)))
+    for owners in tree.param_owners.values():  # one sentence per Parameter object, in registration order
+        if tuple(sorted({path for path, _ in owners})) in split:
             names = ", ".join(f"{p}.{a}" if p else a for p, a in owners)
             problems.append(f"one Parameter ({names}) is split across groups: fully_shard raises ValueError")
     return problems

@@ -9,18 +9,19 @@ would crash. A group whose parameters are read while it is sharded is, in this o
   for the whole forward): no read of a parameter can then find it sharded;
 
 and modules that hold one Parameter (tied or shared weights) end up in one group. Safe groups are never touched.
-The evidence and the violation test are the planner's own (:mod:`fsdp_compat.safety`).
+The evidence, the checks and the loop are the planner's own (:func:`fsdp_compat.safety.settle`); only the fix
+differs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
 
 from fsdp_compat.analysis import RawRead, find_raw_reads
-from fsdp_compat.safety import Key, Layout, sharer_sets, split_sharers, violations
+from fsdp_compat.safety import Key, Layout, Problem, settle, sharer_sets
 from fsdp_compat.tree import ModuleTree
 
 __all__ = ["Change", "ForeignGroup", "repair_groups"]
@@ -54,7 +55,15 @@ def _overrides(group: ForeignGroup) -> dict[str, bool]:
     return {} if group.reshard_after_forward else {"reshard_after_forward": False}
 
 
-def _culprits(tree: ModuleTree, key: Key, events: list[RawRead]) -> list[str]:
+def _layout(groups: Iterable[ForeignGroup]) -> Layout:
+    return Layout.of((g.paths, _overrides(g)) for g in groups)
+
+
+def _groups(layout: Layout) -> list[ForeignGroup]:
+    return [ForeignGroup(key, spec.reshards) for key, spec in layout.groups.items()]
+
+
+def _culprits(tree: ModuleTree, key: Key, events: Iterable[RawRead]) -> list[str]:
     """The members of a multi-module group whose own parameters the offending reads touch."""
     hit = []
     for member in key:
@@ -74,62 +83,64 @@ def repair_groups(
     *,
     sharers: Iterable[Iterable[str]] = (),
     evidence: Iterable[RawRead] | None = None,
+    regroup: Callable[[list[ForeignGroup]], list[ForeignGroup]] | None = None,
 ) -> tuple[list[ForeignGroup], list[Change]]:
     """``groups`` minus what would crash (see the module docstring), in their order, and what was changed.
 
     ``sharers`` adds sets of module paths whose weights the framework ties after sharding (transformers ties
-    ``all_tied_weights_keys`` after ``fully_shard``), so that they count as one Parameter already.
+    ``all_tied_weights_keys`` after ``fully_shard``), so that they count as one Parameter already. ``regroup``, when
+    given, is the framework's own grouping rule: once the groups are safe it turns them into the ones the framework
+    will really make (transformers bundles the kept final norm and head into one group), and those are settled
+    again.
     """
     tree = ModuleTree.build(model)
     events = list(evidence) if evidence is not None else find_raw_reads(model, tree).events
-    shared = sharer_sets(tree, sharers)
-    current = [g for g in groups if all(p in tree.modules for p in g.paths)]
+    layout = _layout(g for g in groups if all(p in tree.modules for p in g.paths))
     changes: list[Change] = []
-    for _ in range(2 * len(current) + 2):
-        layout = Layout.of((g.paths, _overrides(g)) for g in current)
-        step = _one_repair(tree, current, violations(tree, layout, events), layout, shared)
-        if step is None:
-            break
-        current, change = step
-        changes.append(change)
-    # Name where each dropped group's parameters ended up, against the final plan.
-    final = Layout.of((g.paths, _overrides(g)) for g in current)
-    members = final.member_key()
-    changes = [
-        replace(c, now_in=" + ".join(final.group_of(tree, c.paths[0], members)) or "<root>")
-        if c.action == "dropped"
-        else c
-        for c in changes
-    ]
-    return current, changes
+    named = 0  # changes[:named] say where their parameters went
+
+    def name_where(layout: Layout) -> None:
+        """Where each dropped group's parameters ended up, in the layout the changes so far settled into."""
+        nonlocal named
+        members = layout.member_key()
+        for i in range(named, len(changes)):
+            if changes[i].action == "dropped":
+                where = " + ".join(layout.group_of(tree, changes[i].paths[0], members)) or "<root>"
+                changes[i] = replace(changes[i], now_in=where)
+        named = len(changes)
+
+    def fix(layout: Layout, problem: Problem) -> None:
+        changes.append(_one_repair(tree, layout, problem))
+
+    def framework_groups(layout: Layout) -> bool:
+        assert regroup is not None
+        name_where(layout)
+        regrouped = _layout(regroup(_groups(layout))).groups
+        changed = regrouped != layout.groups
+        layout.groups = regrouped
+        return changed
+
+    hook = framework_groups if regroup is not None else None
+    settle(tree, layout, events, sharer_sets(tree, sharers), fix=fix, regroup=hook)
+    name_where(layout)
+    return _groups(layout), changes
 
 
-def _one_repair(
-    tree: ModuleTree,
-    current: list[ForeignGroup],
-    bad: dict[Key, list[RawRead]],
-    layout: Layout,
-    shared: list[tuple[str, ...]],
-) -> tuple[list[ForeignGroup], Change] | None:
-    """The next single change (deepest offending group first), or None when the plan is safe."""
-    by_key = {g.paths: g for g in current}
-    if bad:
-        key = max(bad, key=lambda k: max(tree.depth(p) for p in k))
-        events = bad[key]
-        group = by_key[key]
-        why = "; ".join(sorted({e.describe() for e in events}))
-        if group.reshard_after_forward and all(
-            e.kind == "raw-read" and set(key) & set(e.after_forward_of) for e in events
-        ):
-            new = replace(group, reshard_after_forward=False)
-            return [new if g is group else g for g in current], Change(key, "keep-full-weight", why)
-        culprits = _culprits(tree, key, events)
-        if len(key) > 1 and 0 < len(culprits) < len(key):
-            rest = replace(group, paths=tuple(p for p in key if p not in culprits))
-            return [rest if g is group else g for g in current], Change(tuple(culprits), "dropped", why)
-        return [g for g in current if g is not group], Change(key, "dropped", why)
-    split = split_sharers(tree, layout, shared)
-    if split:
-        key, why, _node = max(split, key=lambda item: max(tree.depth(p) for p in item[0]))
-        return [g for g in current if g.paths != key], Change(key, "dropped", why)
-    return None
+def _one_repair(tree: ModuleTree, layout: Layout, problem: Problem) -> Change:
+    """The smallest change that fixes ``problem``: keep the group unsharded after its forward when every offending
+    read comes after that forward; else drop only the members the reads touch; else drop the group."""
+    key = problem.key
+    if problem.kind != "read":
+        layout.drop(key, problem.describe())
+        return Change(key, "dropped", problem.describe())
+    why = "; ".join(sorted({e.describe() for e in problem.reads}))
+    spec = layout.groups[key]
+    if spec.reshards and all(e.kind == "raw-read" and set(key) & set(e.after_forward_of) for e in problem.reads):
+        layout.groups[key] = replace(spec, overrides={**spec.overrides, "reshard_after_forward": False})
+        return Change(key, "keep-full-weight", why)
+    culprits = _culprits(tree, key, problem.reads)
+    if len(key) > 1 and 0 < len(culprits) < len(key):
+        layout.rekey(key, tuple(p for p in key if p not in culprits))
+        return Change(tuple(culprits), "dropped", why)
+    layout.drop(key, why)
+    return Change(key, "dropped", why)

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_compat.paths import within
+
 
 def repeated_block_classes(model: Any) -> list[str]:
     """Classes that repeat inside a ``ModuleList`` (the decoder / vision blocks), plus ``_no_split_modules``: the
@@ -89,7 +91,7 @@ class ModuleTree:
 
     @staticmethod
     def is_ancestor_or_self(ancestor: str, path: str) -> bool:
-        return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+        return within(path, ancestor)
 
     def lca(self, a: str, b: str) -> str:
         """Lowest common ancestor of two module paths."""

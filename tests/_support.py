@@ -1,4 +1,12 @@
-"""What a stack folder needs before its tests mean anything: the framework it tests, installed.
+"""What the test modules share: where the distributed tests run, and the framework a stack folder needs.
+
+Importable as ``_support`` from every test module: pytest (``prepend`` import mode, the default) puts the folder of
+``tests/conftest.py``, which has no ``__init__.py``, on ``sys.path`` before it collects anything; the rank
+processes get ``tests/`` on ``PYTHONPATH`` from the launcher's callers. Test modules import settings from here,
+never from ``conftest`` (pytest's own module, which it may import under another name).
+
+``FSDP_COMPAT_TEST_DEVICE=cuda`` (set by the tox ``-gpu`` factor) runs the distributed tests with NCCL on every
+visible GPU; tests/conftest.py makes a missing CUDA a usage error, never a skip.
 
 Each ``tests/stacks/<framework>/`` folder is collected only by the tox envs that install that framework (tox.ini names
 the folder), so a missing framework there is a broken environment: the module fails at collection, never skips.
@@ -6,12 +14,19 @@ the folder), so a missing framework there is a broken environment: the module fa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
+import torch
 
 T = TypeVar("T")
+
+#: The device of the distributed tests: ``cpu`` (gloo) or ``cuda`` (NCCL).
+DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
+#: One NCCL rank per visible GPU (NCCL refuses two ranks on one GPU); 2 gloo ranks on CPU.
+WORLD_SIZE = max(1, torch.cuda.device_count()) if DEVICE == "cuda" else 2
 
 
 def require_framework(name: str, probe: Callable[[], T | None]) -> T:

@@ -1,4 +1,5 @@
-"""Shared test settings: which device the distributed tests use, and failing (not skipping) when it is missing.
+"""pytest hooks: the distributed tests' device checked at start (its setting lives in ``_support``), and failing (not
+skipping) when it is missing.
 
 ``FSDP_COMPAT_TEST_DEVICE=cuda`` (set by the tox ``-gpu`` factor) runs the distributed tests with NCCL on every
 visible GPU; without CUDA that is a failure, never a skip.
@@ -10,14 +11,11 @@ and the summary lists each one with its reason, so a skip in a report always mea
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from _support import DEVICE, WORLD_SIZE
 
-DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
-# One NCCL rank per visible GPU (NCCL refuses two ranks on one GPU); 2 gloo ranks on CPU.
-WORLD_SIZE = max(1, torch.cuda.device_count()) if DEVICE == "cuda" else 2
+__all__ = ["DEVICE", "WORLD_SIZE"]  # still importable from here for now; test modules import them from _support
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

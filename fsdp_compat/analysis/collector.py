@@ -12,9 +12,9 @@ import dataclasses
 import operator
 from typing import Any
 
-from fsdp_compat.analysis.constants import _Constants, _is_builtin, _stores
-from fsdp_compat.analysis.names import _ITER_WRAPPERS, _NAME_LOOKUPS, INERT_CALLS, MODULE_GETTERS, Step
-from fsdp_compat.analysis.refs import _NONE, Refs, _Arg, _Ref, _Use
+from fsdp_compat.analysis.constants import Constants, count_stores, is_builtin
+from fsdp_compat.analysis.names import INERT_CALLS, ITER_WRAPPERS, MODULE_GETTERS, NAME_LOOKUPS, Step
+from fsdp_compat.analysis.refs import NONE, Arg, Ref, Refs, Use
 
 
 def _is_getter(node: ast.Call) -> bool:
@@ -22,7 +22,7 @@ def _is_getter(node: ast.Call) -> bool:
     return isinstance(func, ast.Attribute) and func.attr in MODULE_GETTERS and not node.args and not node.keywords
 
 
-class _Collector(_Constants):
+class Collector(Constants):
     """Walks one function body in evaluation order, recording uses and which calls must precede each."""
 
     def __init__(self, fn: ast.AST, globals_: dict[str, Any] | None = None, free: tuple[str, ...] = ()) -> None:
@@ -35,8 +35,8 @@ class _Collector(_Constants):
         for node in ast.walk(fn):
             if isinstance(node, ast.Call):
                 self.call_no[id(node)] = len(self.call_no)
-        self.stores = _stores(fn, skip=fn)  # every binding of each name, nested scopes included
-        self.stored: set[str] = set(_stores(fn, skip=fn, declarations=False))
+        self.stores = count_stores(fn, skip=fn)  # every binding of each name, nested scopes included
+        self.stored: set[str] = set(count_stores(fn, skip=fn, declarations=False))
         # Name bindings whose value is known: ``name = <expr>`` and ``for name in <expr>`` (for constants), and
         # ``for n, v in <iterable>`` pairs (a test on the name ``n`` selects which item ``v`` is).
         self.sites: dict[str, list[tuple[str, ast.AST]]] = {}
@@ -57,9 +57,9 @@ class _Collector(_Constants):
         self._consts: dict[str, frozenset[str] | None] = {}
         self.narrowed: dict[int, tuple[Any, ...]] = {}  # id(Name node) -> constraints that hold where it is read
         self._narrow_stmts(fn.body if isinstance(fn.body, list) else [fn.body], {})
-        self.aliases: dict[str, set[_Ref]] = {}
+        self.aliases: dict[str, set[Ref]] = {}
         self._bind_aliases(fn)
-        self.uses: list[_Use] = []
+        self.uses: list[Use] = []
         self.bind_state: dict[str, frozenset[int]] = {}
         self.cur: frozenset[int] = frozenset()
         self.exits: list[frozenset[int]] = []
@@ -89,14 +89,14 @@ class _Collector(_Constants):
         if _is_getter(node):
             return func.value, [(("()", func.attr),)]  # type: ignore[attr-defined]
         plain = not node.keywords and not any(isinstance(a, ast.Starred) for a in node.args)
-        if _is_builtin(func, "getattr", self.stored) and len(node.args) >= 2 and plain:
+        if is_builtin(func, "getattr", self.stored) and len(node.args) >= 2 and plain:
             strs = self._const_strs(node.args[1])
             return node.args[0], [(s,) for s in sorted(strs)] if strs else [(("?",),)]
         if not plain or len(node.args) != 1:
             return None
-        if _is_builtin(func, "vars", self.stored):
+        if is_builtin(func, "vars", self.stored):
             return node.args[0], [("__dict__",)]
-        if isinstance(func, ast.Attribute) and func.attr in _NAME_LOOKUPS:
+        if isinstance(func, ast.Attribute) and func.attr in NAME_LOOKUPS:
             strs = self._const_strs(node.args[0])
             if strs is not None:
                 return func.value, [(("via", func.attr), *(s.split(".") if s else ())) for s in sorted(strs)]
@@ -113,7 +113,7 @@ class _Collector(_Constants):
         if isinstance(node, ast.Name):
             found = set(self.aliases.get(node.id, ()))
             if node.id in self.params or node.id not in self.stored:
-                found.add(_Ref(node.id, ()))
+                found.add(Ref(node.id, ()))
             constraints = self.narrowed.get(id(node))
             return self._constrain(frozenset(found), constraints) if constraints else frozenset(found)
         if isinstance(node, ast.Attribute):
@@ -129,7 +129,7 @@ class _Collector(_Constants):
         if isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Name) and func.id == "super" and func.id not in self.stored:
-                return frozenset({_Ref("super", ())})
+                return frozenset({Ref("super", ())})
             chain = self._chain(node)
             if chain is not None:
                 base, options = chain
@@ -142,15 +142,15 @@ class _Collector(_Constants):
                         out.add(ref)
                 return frozenset(out)
             if self.refs(func):
-                return frozenset({_Ref(f"#{self.call_no[id(node)]}", ())})
-            return _NONE
+                return frozenset({Ref(f"#{self.call_no[id(node)]}", ())})
+            return NONE
         if isinstance(node, ast.IfExp):
             return self.refs(node.body) | self.refs(node.orelse)
         if isinstance(node, ast.BoolOp):
             return frozenset().union(*(self.refs(v) for v in node.values))
         if isinstance(node, (ast.NamedExpr, ast.Starred)):
             return self.refs(node.value)
-        return _NONE
+        return NONE
 
     @staticmethod
     def _each(refs: Refs) -> Refs:
@@ -158,7 +158,7 @@ class _Collector(_Constants):
 
     def _iter_targets(self, target: ast.AST, iterable: ast.AST) -> list[tuple[ast.AST, Refs]]:
         """(target, what it may hold) for ``for target in iterable``."""
-        if isinstance(iterable, ast.Call) and _is_builtin(iterable.func, _ITER_WRAPPERS, self.stored):
+        if isinstance(iterable, ast.Call) and is_builtin(iterable.func, ITER_WRAPPERS, self.stored):
             name, args = iterable.func.id, iterable.args  # type: ignore[attr-defined]
             if name == "enumerate" and args and isinstance(target, ast.Tuple) and len(target.elts) == 2:
                 return [(target.elts[1], self._each(self.refs(args[0])))]
@@ -340,7 +340,7 @@ class _Collector(_Constants):
         if isinstance(t, ast.Name):
             return True
         if isinstance(t, (ast.Tuple, ast.List)):
-            return all(_Collector._is_name_target(e.value if isinstance(e, ast.Starred) else e) for e in t.elts)
+            return all(Collector._is_name_target(e.value if isinstance(e, ast.Starred) else e) for e in t.elts)
         return False
 
     def _note_bind(self, name: str, state: frozenset[int]) -> None:
@@ -373,7 +373,7 @@ class _Collector(_Constants):
         if (
             isinstance(iterable, ast.Call)
             and isinstance(iterable.func, ast.Name)
-            and iterable.func.id in _ITER_WRAPPERS
+            and iterable.func.id in ITER_WRAPPERS
             and iterable.func.id not in self.stored
         ):
             for arg in iterable.args:
@@ -386,7 +386,7 @@ class _Collector(_Constants):
 
     # -- expressions ------------------------------------------------------------------------------------------
 
-    def _emit(self, refs: Refs, how: str, node: ast.AST, *, args: tuple[_Arg, ...] = (), call: int = -1,
+    def _emit(self, refs: Refs, how: str, node: ast.AST, *, args: tuple[Arg, ...] = (), call: int = -1,
               attr: str = "", cond: bool = False) -> None:
         index = len(self.uses)
         if isinstance(node, ast.Call) and how == "call":
@@ -394,7 +394,7 @@ class _Collector(_Constants):
         else:
             parts = [node]
         bases = tuple(sorted({b for b in map(self._base, parts) if b}))
-        self.uses.append(_Use(index, refs, how, getattr(node, "lineno", 0), self.cur, args, call, attr, bases))
+        self.uses.append(Use(index, refs, how, getattr(node, "lineno", 0), self.cur, args, call, attr, bases))
         if how == "call" and not cond:
             self.cur = self.cur | {index}
 
@@ -412,7 +412,7 @@ class _Collector(_Constants):
     def _is_chain(self, node: ast.AST) -> bool:
         if isinstance(node, (ast.Name, ast.Attribute, ast.Subscript)):
             return bool(self.refs(node))
-        if isinstance(node, ast.Call) and (self._chain(node) is not None or _is_builtin(node.func, "super",
+        if isinstance(node, ast.Call) and (self._chain(node) is not None or is_builtin(node.func, "super",
                                                                                            self.stored)):
             return bool(self.refs(node))
         return False
@@ -523,15 +523,15 @@ class _Collector(_Constants):
             self._visit_inner(func, cond)
         else:
             self._visit(func, "value", cond)
-        args: list[_Arg] = []
+        args: list[Arg] = []
         for arg in node.args:
             if isinstance(arg, ast.Starred):
-                args.append(_Arg(self._arg(arg.value, cond), "star"))
+                args.append(Arg(self._arg(arg.value, cond), "star"))
             else:
-                args.append(_Arg(self._arg(arg, cond), "pos"))
+                args.append(Arg(self._arg(arg, cond), "pos"))
         for kw in node.keywords:
             refs = self._arg(kw.value, cond)
-            args.append(_Arg(refs, "kw", kw.arg) if kw.arg else _Arg(refs, "dstar"))
+            args.append(Arg(refs, "kw", kw.arg) if kw.arg else Arg(refs, "dstar"))
         self._emit(func_refs, "call", node, args=tuple(args), call=self.call_no[id(node)], cond=cond)
 
     def _arg(self, node: ast.AST, cond: bool) -> Refs:
@@ -543,5 +543,5 @@ class _Collector(_Constants):
             self._call(node, cond)
             return self.refs(node)
         self._visit(node, "value", cond)
-        return _NONE
+        return NONE
 

@@ -2,7 +2,7 @@
 
 The collector's first job, kept apart from its walk of the function body: names bound only to constant strings,
 module-level constants, and the narrowing of names inside ``if isinstance(m, T):`` or ``if name == "..."``
-(``_Constants`` is a base of ``_Collector``; the collector's ``__init__`` fills the state it reads).
+(``Constants`` is a base of ``Collector``; the collector's ``__init__`` fills the state it reads).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import inspect
 import types
 from typing import Any
 
-from fsdp_compat.analysis.names import _MAX_CONSTS, _MISSING
-from fsdp_compat.analysis.refs import Refs, _Ref
+from fsdp_compat.analysis.names import MAX_CONSTS, MISSING
+from fsdp_compat.analysis.refs import Ref, Refs
 
 
-def _is_builtin(func: ast.AST, names: str | frozenset[str], stored: set[str]) -> bool:
+def is_builtin(func: ast.AST, names: str | frozenset[str], stored: set[str]) -> bool:
     """``func`` is a plain name of one of these builtins, not shadowed by a local of the function."""
     wanted = {names} if isinstance(names, str) else names
     return isinstance(func, ast.Name) and func.id in wanted and func.id not in stored
 
 
-def _stores(tree: ast.AST | list[Any], skip: ast.AST | None = None, declarations: bool = True) -> dict[str, int]:
+def count_stores(tree: ast.AST | list[Any], skip: ast.AST | None = None, declarations: bool = True) -> dict[str, int]:
     """How many places bind each name in ``tree`` (nested scopes included; ``skip``'s own parameters left out;
     ``global``/``nonlocal`` count as unknowably many with ``declarations``)."""
     own = set()
@@ -60,7 +60,7 @@ def _stores(tree: ast.AST | list[Any], skip: ast.AST | None = None, declarations
 
 
 def _product(a: frozenset[str] | None, b: frozenset[str] | None) -> frozenset[str] | None:
-    if a is None or b is None or len(a) * len(b) > _MAX_CONSTS:
+    if a is None or b is None or len(a) * len(b) > MAX_CONSTS:
         return None
     return frozenset(x + y for x in a for y in b)
 
@@ -70,12 +70,12 @@ def _strs(value: Any) -> frozenset[str] | None:
     if isinstance(value, str):
         return frozenset({value})
     if isinstance(value, (tuple, list, set, frozenset)) and value and all(isinstance(v, str) for v in value):
-        return frozenset(value) if len(value) <= _MAX_CONSTS else None
+        return frozenset(value) if len(value) <= MAX_CONSTS else None
     return None
 
 
-class _Constants:
-    """Constant folding and narrowing for one function (state set up by ``_Collector.__init__``)."""
+class Constants:
+    """Constant folding and narrowing for one function (state set up by ``Collector.__init__``)."""
 
     globals: dict[str, Any]
     free: frozenset[str]
@@ -104,18 +104,18 @@ class _Constants:
         """The value of a module-level name or a dotted path through modules and classes (else _MISSING)."""
         if isinstance(node, ast.Name):
             if node.id in self.params or node.id in self.stored or node.id in self.free:
-                return _MISSING
+                return MISSING
             if node.id in self.globals:
                 return self.globals[node.id]
-            return getattr(builtins, node.id, _MISSING)
+            return getattr(builtins, node.id, MISSING)
         if isinstance(node, ast.Attribute):
             base = self._static(node.value)
             if isinstance(base, types.ModuleType):
-                return base.__dict__.get(node.attr, _MISSING)
+                return base.__dict__.get(node.attr, MISSING)
             if isinstance(base, type):
-                value = inspect.getattr_static(base, node.attr, _MISSING)
-                return value if isinstance(value, (type, str, tuple)) else _MISSING
-        return _MISSING
+                value = inspect.getattr_static(base, node.attr, MISSING)
+                return value if isinstance(value, (type, str, tuple)) else MISSING
+        return MISSING
 
     def _const_strs(self, node: ast.AST, depth: int = 0) -> frozenset[str] | None:
         """The strings ``node`` may evaluate to when Python can tell from constants alone (None: computed)."""
@@ -136,7 +136,7 @@ class _Constants:
             return out
         if isinstance(node, ast.IfExp):
             a, b = self._const_strs(node.body, depth + 1), self._const_strs(node.orelse, depth + 1)
-            return None if a is None or b is None or len(a | b) > _MAX_CONSTS else a | b
+            return None if a is None or b is None or len(a | b) > MAX_CONSTS else a | b
         if isinstance(node, ast.Name) and (node.id in self.params or node.id in self.stored):
             return self._name_consts(node.id, depth)
         value = self._static(node)
@@ -151,7 +151,7 @@ class _Constants:
                 if part is None:
                     return None
                 out |= part
-            return out if len(out) <= _MAX_CONSTS else None
+            return out if len(out) <= MAX_CONSTS else None
         return _strs(self._static(node))
 
     def _name_consts(self, name: str, depth: int) -> frozenset[str] | None:
@@ -167,7 +167,7 @@ class _Constants:
             if part is None:
                 return None
             out |= part
-        if len(out) > _MAX_CONSTS:
+        if len(out) > MAX_CONSTS:
             return None
         self._consts[name] = out
         return out
@@ -199,7 +199,7 @@ class _Constants:
             return (merged, {}) if isinstance(test.op, ast.And) else ({}, merged)
         if isinstance(test, ast.Call) and not test.keywords and len(test.args) == 2:
             subject = test.args[0]
-            if _is_builtin(test.func, "isinstance", self.stored) and isinstance(subject, ast.Name):
+            if is_builtin(test.func, "isinstance", self.stored) and isinstance(subject, ast.Name):
                 found = self._types(test.args[1])
                 return ({subject.id: (("isa", found),)}, {}) if found else ({}, {})
         if isinstance(test, ast.Call) and not test.keywords and len(test.args) == 1:
@@ -230,7 +230,7 @@ class _Constants:
         """``env`` plus ``conds`` for the names ``region`` never rebinds (a rebinding would void the test)."""
         if not conds:
             return env
-        rebound = _stores(region)
+        rebound = count_stores(region)
         new = dict(env)
         for name, cs in conds.items():
             if name in rebound:
@@ -318,7 +318,7 @@ class _Constants:
                 narrowed = set()
                 for r in out:
                     if len(r.steps) >= 2 and r.steps[-2] == ("[]", None) and r.steps[-1] == ("[]", 1):
-                        r = _Ref(r.root, (*r.steps[:-2], ("[]", ("sel", c[1])), ("[]", 1)))
+                        r = Ref(r.root, (*r.steps[:-2], ("[]", ("sel", c[1])), ("[]", 1)))
                     narrowed.add(r)
                 out = narrowed
         return frozenset(out)

@@ -19,24 +19,24 @@ import torch
 from torch import nn
 
 from fsdp_compat.analysis.evidence import Analysis, RawRead
-from fsdp_compat.analysis.facts import _forward_function, _runs_own_code, _source_function, _torch_code, function_facts
+from fsdp_compat.analysis.facts import forward_function, function_facts, runs_own_code, source_function, torch_code
 from fsdp_compat.analysis.names import (
-    _HOOK_REGISTRATION,
-    _HOOKED_CALLS,
-    _MODULE_ITERATORS,
-    _PARAM_ITERATORS,
-    _SCALARS,
+    HOOK_REGISTRATION,
+    HOOKED_CALLS,
+    MODULE_ITERATORS,
+    PARAM_ITERATORS,
+    SCALARS,
     Step,
 )
-from fsdp_compat.analysis.refs import Refs, _FunctionFacts, _Opaque, _Use
+from fsdp_compat.analysis.refs import FunctionFacts, Opaque, Refs, Use
 from fsdp_compat.analysis.resolver import (
-    _cell_full,
-    _class_attr,
-    _defined_by_nn_module,
-    _held,
-    _Resolved,
-    _Resolver,
-    _Seq,
+    Resolved,
+    Resolver,
+    Seq,
+    cell_full,
+    class_attr,
+    defined_by_nn_module,
+    held_values,
 )
 from fsdp_compat.tree import ModuleTree
 
@@ -88,7 +88,7 @@ class _Site:
 class _Analyzer:
     def __init__(self, tree: ModuleTree) -> None:
         self.tree = tree
-        self.resolver = _Resolver(tree)
+        self.resolver = Resolver(tree)
         self.events: dict[tuple[Any, ...], RawRead] = {}
         self.opaque: dict[str, str] = {}
         self.visited: dict[tuple[Any, ...], list[Any]] = {}
@@ -186,19 +186,19 @@ class _Analyzer:
     def _module_code(self, module: nn.Module, path: str) -> None:
         """Everything that runs as ``module``'s code: its hooks, a ``__call__`` override and its forward."""
         self._hooks(module, path)
-        call = _class_attr(type(module), "__call__")
+        call = class_attr(type(module), "__call__")
         if call is not nn.Module.__call__ and path:
             # Runs before the module's hooks: code of the parent, outside the module's own window.
             parent = self.tree.parent(path) or ""
             site = _Site(parent, frozenset(), f"{type(module).__name__}.__call__")
             if self._callable(call, [(module,)], {}, site) is None:
                 self._opaque(module, parent, f"{type(module).__name__}.__call__ cannot be read")
-        if not _runs_own_code(module):
+        if not runs_own_code(module):
             return
         try:
-            forward = _forward_function(module)
-            self._function(_source_function(forward), {}, (module,), path, frozenset(), forward_of=module)
-        except _Opaque as exc:
+            forward = forward_function(module)
+            self._function(source_function(forward), {}, (module,), path, frozenset(), forward_of=module)
+        except Opaque as exc:
             self.opaque[path] = str(exc)
             self._add(RawRead(path, path, None, "opaque", str(exc)))
 
@@ -213,7 +213,7 @@ class _Analyzer:
         path = self.tree.path_of.get(key, "")
         holdings = []
         for name, value in module.__dict__.items():
-            if name.startswith("_") or isinstance(value, (*_SCALARS, torch.Tensor)):
+            if name.startswith("_") or isinstance(value, (*SCALARS, torch.Tensor)):
                 continue
             held = self._held(value)
             relative = []
@@ -338,14 +338,14 @@ class _Analyzer:
         self.visited[key] = results
         return results
 
-    def _site(self, facts: _FunctionFacts, reader: str, before: frozenset[str], called: dict[int, frozenset[str]],
-              use: _Use | None) -> _Site:
+    def _site(self, facts: FunctionFacts, reader: str, before: frozenset[str], called: dict[int, frozenset[str]],
+              use: Use | None) -> _Site:
         lineno = use.lineno if use is not None else facts.lineno_offset + 1
         return _Site(reader, (before, called, use), (facts, lineno))
 
     def _targets(self, refs: Refs, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
-                 returned: dict[int, list[Any]], site: _Site) -> list[_Resolved]:
-        out: list[_Resolved] = []
+                 returned: dict[int, list[Any]], site: _Site) -> list[Resolved]:
+        out: list[Resolved] = []
         for ref in refs:
             for root in self._roots(ref.root, bindings, closure, func, returned, site):
                 if ref.root == "super":
@@ -364,13 +364,13 @@ class _Analyzer:
             first = next(iter(bindings.values()), ())
             return first
         if name in closure:
-            return (closure[name].cell_contents,) if _cell_full(closure[name]) else ()
+            return (closure[name].cell_contents,) if cell_full(closure[name]) else ()
         if name in func.__globals__:
             return (func.__globals__[name],)
         value = getattr(builtins, name, None)
         return () if value is None else (value,)
 
-    def _super(self, func: types.FunctionType, self_obj: Any, steps: tuple[Step, ...]) -> list[_Resolved]:
+    def _super(self, func: types.FunctionType, self_obj: Any, steps: tuple[Step, ...]) -> list[Resolved]:
         if not steps or not isinstance(steps[0], str) or not isinstance(self_obj, nn.Module):
             return []
         name = steps[0]
@@ -380,16 +380,16 @@ class _Analyzer:
             if cls.__qualname__ == owner_name and func.__name__ in cls.__dict__:
                 for later in mro[index + 1:]:
                     if name in later.__dict__:
-                        if name in _HOOKED_CALLS and later is nn.Module:
-                            return [_Resolved("method", self_obj, attr="__call__")]
+                        if name in HOOKED_CALLS and later is nn.Module:
+                            return [Resolved("method", self_obj, attr="__call__")]
                         if later is nn.Module:
-                            return [_Resolved("escape", self_obj, attr=f"super().{name}")]
-                        return [_Resolved("function", later.__dict__[name], owner=self_obj, attr=name)]
+                            return [Resolved("escape", self_obj, attr=f"super().{name}")]
+                        return [Resolved("function", later.__dict__[name], owner=self_obj, attr=name)]
                 return []
-        return [_Resolved("escape", self_obj, attr="super()")]
+        return [Resolved("escape", self_obj, attr="super()")]
 
     def _arg_objects(
-        self, use: _Use, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
+        self, use: Use, bindings: Bindings, closure: dict[str, Any], func: types.FunctionType,
         returned: dict[int, list[Any]], site: _Site,
     ) -> tuple[list[tuple[Any, ...]], dict[str, tuple[Any, ...]], list[Any]]:
         """Positional and keyword arguments resolved to objects; what goes through ``*``/``**`` is returned apart."""
@@ -417,7 +417,7 @@ class _Analyzer:
                 out.append(_Bound(res))
         return out
 
-    def _do_call(self, use: _Use, targets: list[_Resolved], bindings: Bindings, closure: dict[str, Any],
+    def _do_call(self, use: Use, targets: list[Resolved], bindings: Bindings, closure: dict[str, Any],
                  func: types.FunctionType, returned: dict[int, list[Any]], site: _Site,
                  called: dict[int, frozenset[str]]) -> list[Any]:
         positional, keywords, starred = self._arg_objects(use, bindings, closure, func, returned, site)
@@ -446,16 +446,16 @@ class _Analyzer:
     def _escape_any(self, obj: Any, site: _Site, why: str) -> None:
         if isinstance(obj, _Bound):
             res = obj.res
-            if res.kind == "method" and res.attr in _HOOKED_CALLS:
+            if res.kind == "method" and res.attr in HOOKED_CALLS:
                 return  # a module's __call__ handed on: whoever calls it runs the module's hooks
             self._escape(res.obj, site, why)
         else:
             self._escape(obj, site, why)
 
-    def _call_target(self, res: _Resolved, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]],
+    def _call_target(self, res: Resolved, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]],
                      site: _Site, calls: set[str]) -> list[Any] | None:
         """Follow one possible callee; None when it is not followed (its tracked arguments then escape)."""
-        if res.kind == "module" or (res.kind == "method" and res.attr in _HOOKED_CALLS):
+        if res.kind == "module" or (res.kind == "method" and res.attr in HOOKED_CALLS):
             module = res.obj
             path = self.tree.path_of.get(id(module))
             if path is None:
@@ -465,8 +465,8 @@ class _Analyzer:
                 self._add(RawRead(site.reader, path, None, "call", site.where))
             if self._carries(positional, keywords):
                 try:
-                    forward = _source_function(_forward_function(module))
-                except _Opaque:
+                    forward = source_function(forward_function(module))
+                except Opaque:
                     return None
                 self._function(forward, keywords, ((module,), *positional), path, site.held_before | {path},
                                forward_of=module)
@@ -479,14 +479,14 @@ class _Analyzer:
             return []
         if res.kind == "method":
             module = res.obj
-            if _defined_by_nn_module(type(module), res.attr):
+            if defined_by_nn_module(type(module), res.attr):
                 return self._nn_module_method(module, res.attr, positional, keywords, site)
             method = inspect.getattr_static(module, res.attr, None)
             if res.attr in module.__dict__:
                 method = module.__dict__[res.attr].__func__
             try:
-                source = _source_function(method)
-            except _Opaque as exc:
+                source = source_function(method)
+            except Opaque as exc:
                 self._opaque_method(module, site, str(exc))
                 return []
             args: tuple[Any, ...] = ((module,), *positional)
@@ -497,8 +497,8 @@ class _Analyzer:
             return self._property(res, site)
         if res.kind == "function":  # super().name
             try:
-                source = _source_function(res.obj)
-            except _Opaque as exc:
+                source = source_function(res.obj)
+            except Opaque as exc:
                 self._opaque_method(res.owner, site, str(exc))
                 return []
             return self._function(source, keywords, ((res.owner,), *positional), site.reader, site.held_before,
@@ -511,7 +511,7 @@ class _Analyzer:
         if target is getattr or target is setattr or target is vars:
             return None
         if isinstance(target, types.BuiltinFunctionType) or ((
-            isinstance(target, type) or _torch_code(target)
+            isinstance(target, type) or torch_code(target)
         ) and not isinstance(target, (types.MethodType, functools.partial))):
             return None
         if not self._carries(positional, keywords) and not self._held(target):
@@ -525,10 +525,10 @@ class _Analyzer:
     def _nn_module_method(self, module: nn.Module, name: str, positional: list[tuple[Any, ...]],
                           keywords: dict[str, tuple[Any, ...]], site: _Site) -> list[Any]:
         """nn.Module's own methods: module iterators and hook registration are modelled, the rest reflects."""
-        if name in _MODULE_ITERATORS or name in _PARAM_ITERATORS:
+        if name in MODULE_ITERATORS or name in PARAM_ITERATORS:
             # Every item the call can yield, with its real name when called without arguments (with arguments -
             # a prefix, recurse=False... - the same or fewer objects, names unknown: a name test keeps them all).
-            if name in _PARAM_ITERATORS:
+            if name in PARAM_ITERATORS:
                 items = list(module.named_parameters())
             elif name.endswith("modules"):
                 items = list(module.named_modules())
@@ -536,9 +536,9 @@ class _Analyzer:
                 items = [(n, m) for n, m in module._modules.items() if m is not None]
             plain = not positional and not keywords
             if name.startswith("named_"):
-                return [_Seq(_Seq((n if plain else None, m)) for n, m in items)]
-            return [_Seq(m for _, m in items)]
-        if name in _HOOK_REGISTRATION:
+                return [Seq(Seq((n if plain else None, m)) for n, m in items)]
+            return [Seq(m for _, m in items)]
+        if name in HOOK_REGISTRATION:
             hooks = [*(positional[0] if positional else ()), *keywords.get("hook", ())]
             path = self.tree.path_of.get(id(module), site.reader)
             for hook in hooks:
@@ -565,19 +565,19 @@ class _Analyzer:
         if isinstance(func, nn.Module):
             return None
         try:
-            source = _source_function(func)
-        except _Opaque:
+            source = source_function(func)
+        except Opaque:
             return None
-        if _torch_code(source) and not torch_ok:
+        if torch_code(source) and not torch_ok:
             return None  # torch's functional code: a Parameter handed to it is simply read
         return self._function(source, kw, (*prefix, *positional), site.reader, site.held_before, where=site.where)
 
-    def _property(self, res: _Resolved, site: _Site) -> list[Any]:
-        static = _class_attr(type(res.obj), res.attr)
+    def _property(self, res: Resolved, site: _Site) -> list[Any]:
+        static = class_attr(type(res.obj), res.attr)
         getter = static.fget if isinstance(static, property) else getattr(static, "func", None)
         try:
-            source = _source_function(getter)
-        except _Opaque as exc:
+            source = source_function(getter)
+        except Opaque as exc:
             self._opaque_method(res.obj, site, str(exc))
             return []
         return self._function(source, {}, ((res.obj,),), site.reader, site.held_before, where=site.where)
@@ -591,7 +591,7 @@ class _Analyzer:
     def _held(self, obj: Any) -> list[Any]:
         key = id(obj)
         if key not in self._held_memo:
-            self._held_memo[key] = (obj, _held(obj, self.tree))
+            self._held_memo[key] = (obj, held_values(obj, self.tree))
         return self._held_memo[key][1]
 
     def _carries(self, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]]) -> bool:
@@ -606,7 +606,7 @@ class _Analyzer:
         parent = self.tree.parent(path) if path else None
         return _Site(parent if parent is not None else path, frozenset(), site.where)
 
-    def _do_use(self, use: _Use, res: _Resolved, site: _Site, forward_of: nn.Module | None, results: list[Any],
+    def _do_use(self, use: Use, res: Resolved, site: _Site, forward_of: nn.Module | None, results: list[Any],
                 reader: str) -> None:
         how = use.how
         kind = res.kind
@@ -646,14 +646,14 @@ class _Analyzer:
                 return
             out = self._property(res, site)
             for obj in out:
-                fake = _Use(use.index, use.refs, how, use.lineno, use.before)
+                fake = Use(use.index, use.refs, how, use.lineno, use.before)
                 for sub in self.resolver.resolve(obj, ()):
                     self._do_use(fake, sub, site, forward_of, results, reader)
             return
         if kind == "method":
             if how in ("inert", "discard", "bind", "test"):
                 return
-            if res.attr in _HOOKED_CALLS:
+            if res.attr in HOOKED_CALLS:
                 path = self.tree.path_of.get(id(res.obj))
                 if path is not None and path != reader:
                     self._add(RawRead(reader, path, None, "call", site.where))
@@ -680,7 +680,7 @@ class _Outcome(list):  # type: ignore[type-arg]
 class _Bound:
     """A method, property or reflective access handed around as a value."""
 
-    res: _Resolved
+    res: Resolved
 
 
 def find_raw_reads(model: nn.Module, tree: ModuleTree | None = None) -> Analysis:

@@ -26,35 +26,35 @@ MODULE_GETTERS = frozenset({"get_input_embeddings", "get_output_embeddings", "ge
 # Builtins that look at an object (its type, identity, length) and never at a Parameter's data.
 INERT_CALLS = frozenset({"isinstance", "issubclass", "hasattr", "id", "type", "len", "callable"})
 # Builtins that hand back (elements of) their argument when iterated.
-_ITER_WRAPPERS = frozenset({"enumerate", "zip", "reversed", "list", "tuple", "iter", "sorted"})
+ITER_WRAPPERS = frozenset({"enumerate", "zip", "reversed", "list", "tuple", "iter", "sorted"})
 # Calling a module through these runs its hooks (FSDP2 unshards there); calling ``.forward()`` directly does not.
-_HOOKED_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+HOOKED_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
 # Attributes that expose a module's registry: touching them reaches everything below it.
-_REFLECTION_ATTRS = frozenset({"__dict__", "_modules", "_parameters", "_buffers"})
+REFLECTION_ATTRS = frozenset({"__dict__", "_modules", "_parameters", "_buffers"})
 # transformers' ``module.dtype`` / ``.device`` look at the first parameter's dtype or device only.
-_MODULE_METADATA = frozenset({"dtype", "device"})
+MODULE_METADATA = frozenset({"dtype", "device"})
 # nn.Module methods that hand out submodules (modelled as iteration over them) or register a hook (followed).
-_MODULE_ITERATORS = frozenset({"modules", "named_modules", "children", "named_children"})
-_HOOK_REGISTRATION = frozenset(
+MODULE_ITERATORS = frozenset({"modules", "named_modules", "children", "named_children"})
+HOOK_REGISTRATION = frozenset(
     {
         "register_forward_pre_hook", "register_forward_hook", "register_full_backward_hook",
         "register_full_backward_pre_hook", "register_backward_hook",
     }
 )
 # nn.Module methods that hand out Parameters (modelled as iteration over them, with their real names).
-_PARAM_ITERATORS = frozenset({"parameters", "named_parameters"})
+PARAM_ITERATORS = frozenset({"parameters", "named_parameters"})
 # nn.Module methods that look a submodule or Parameter up by a dotted name with getattr (a constant name resolves).
-_NAME_LOOKUPS = frozenset({"get_submodule", "get_parameter"})
+NAME_LOOKUPS = frozenset({"get_submodule", "get_parameter"})
 # Registries whose constant-key subscripts are modelled (``self._modules["emb"]``); other uses reflect.
-_REGISTRIES = frozenset({"_modules", "_parameters", "_buffers"})
-_MAX_CONSTS = 8  # a name that may hold more constant strings than this is treated as computed
-_MAX_STEPS = 6  # longer chains (``x = x.inner`` in a loop) become "any descendant"
-_SCAN_DEPTH = 4  # how deep plain Python objects are searched for references to modules
-_SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
+REGISTRIES = frozenset({"_modules", "_parameters", "_buffers"})
+MAX_CONSTS = 8  # a name that may hold more constant strings than this is treated as computed
+MAX_STEPS = 6  # longer chains (``x = x.inner`` in a loop) become "any descendant"
+SCAN_DEPTH = 4  # how deep plain Python objects are searched for references to modules
+SCALARS = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
 
 # A step of a reference chain: str attribute | ("()", getter) | ("[]", key or None or ("sel", predicate)) |
 # ("?",) computed attribute | ("**",) any below | ("isa", types) kept only if an instance | ("via", method) a
 # name lookup by nn.Module's own ``method`` (escapes when the class overrides it).
 Step = Any
 
-_MISSING = object()  # "not known from constants alone" (the collector) / "not a plain attribute" (the resolver)
+MISSING = object()  # "not known from constants alone" (the collector) / "not a plain attribute" (the resolver)

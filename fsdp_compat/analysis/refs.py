@@ -8,38 +8,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_compat.analysis.names import _MAX_STEPS, Step
+from fsdp_compat.analysis.names import MAX_STEPS, Step
 
 
 @dataclass(frozen=True)
-class _Ref:
+class Ref:
     """A value reachable from ``root`` (a name of the function, or ``#n``: what call node n returned)."""
 
     root: str
     steps: tuple[Step, ...]
 
-    def plus(self, step: Step) -> _Ref:
+    def plus(self, step: Step) -> Ref:
         if self.steps and self.steps[-1] == ("**",) and step == ("[]", None):
             return self
         steps = (*self.steps, step)
-        if len(steps) > _MAX_STEPS:
-            steps = (*self.steps[: _MAX_STEPS - 1], ("**",))
-        return _Ref(self.root, steps)
+        if len(steps) > MAX_STEPS:
+            steps = (*self.steps[: MAX_STEPS - 1], ("**",))
+        return Ref(self.root, steps)
 
 
-Refs = frozenset[_Ref]
-_NONE: Refs = frozenset()
+Refs = frozenset[Ref]
+NONE: Refs = frozenset()
 
 
 @dataclass(frozen=True)
-class _Arg:
+class Arg:
     refs: Refs
     kind: str  # "pos" | "star" | "kw" | "dstar"
     name: str | None = None
 
 
 @dataclass(frozen=True)
-class _Use:
+class Use:
     """One expression whose value may be a module, a Parameter or a callable, and what is done with it.
 
     how: ``call`` (it is called with ``args``), ``value`` (any unmodelled use: a read / an escape), ``test``
@@ -52,7 +52,7 @@ class _Use:
     how: str
     lineno: int
     before: frozenset[int]
-    args: tuple[_Arg, ...] = ()
+    args: tuple[Arg, ...] = ()
     node: int = -1
     attr: str = ""
     bases: tuple[str, ...] = ()  # the variables the expression (and a call's arguments) start from
@@ -60,17 +60,17 @@ class _Use:
 
 
 @dataclass(frozen=True)
-class _FunctionFacts:
+class FunctionFacts:
     positional: tuple[str, ...]
     kwonly: tuple[str, ...]
     vararg: str | None
     kwarg: str | None
-    uses: tuple[_Use, ...]
+    uses: tuple[Use, ...]
     filename: str
     qualname: str
     lineno_offset: int
     exit_before: frozenset[int] = frozenset()
 
 
-class _Opaque(Exception):
+class Opaque(Exception):
     pass

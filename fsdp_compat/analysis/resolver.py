@@ -2,7 +2,7 @@
 
 Walks attribute, index and getter steps through a live module tree (registered children and Parameters, plain
 attributes, containers, namespaces) without running unknown code; anything it cannot be sure of comes back as an
-escape. Also finds the modules and Parameters a plain Python object holds (``_held``).
+escape. Also finds the modules and Parameters a plain Python object holds (``held_values``).
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ import torch
 from torch import nn
 
 from fsdp_compat.analysis.names import (
-    _HOOKED_CALLS,
-    _MISSING,
-    _MODULE_METADATA,
-    _REFLECTION_ATTRS,
-    _REGISTRIES,
-    _SCALARS,
-    _SCAN_DEPTH,
+    HOOKED_CALLS,
     METADATA_ATTRS,
+    MISSING,
+    MODULE_METADATA,
+    REFLECTION_ATTRS,
+    REGISTRIES,
+    SCALARS,
+    SCAN_DEPTH,
     Step,
 )
 from fsdp_compat.tree import ModuleTree
 
 
 @dataclass(frozen=True)
-class _Resolved:
+class Resolved:
     kind: str  # "module" | "param" | "method" | "property" | "object" | "escape" | "static"
     obj: Any
     owner: nn.Module | None = None  # for params: the module whose _parameters held it
@@ -39,7 +39,7 @@ class _Resolved:
 
 
 @functools.lru_cache(maxsize=65536)
-def _class_attr(cls: type, name: str) -> Any:
+def class_attr(cls: type, name: str) -> Any:
     """A class attribute without running descriptors (cached: the same classes repeat in every layer)."""
     return inspect.getattr_static(cls, name, None)
 
@@ -51,7 +51,7 @@ def _custom_getattr(cls: type) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _defined_by_nn_module(cls: type, name: str) -> bool:
+def defined_by_nn_module(cls: type, name: str) -> bool:
     for klass in cls.__mro__:
         if name in klass.__dict__:
             return klass is nn.Module
@@ -66,12 +66,12 @@ def _descendants(module: nn.Module) -> list[nn.Module]:
     return list(module.modules())
 
 
-class _Resolver:
+class Resolver:
     def __init__(self, tree: ModuleTree) -> None:
         self.tree = tree
 
     def resolve(self, obj: Any, steps: tuple[Step, ...], owner: nn.Module | None = None,
-                attr: str = "") -> list[_Resolved]:
+                attr: str = "") -> list[Resolved]:
         """What a chain of steps reaches when started at ``obj`` (a list: computed keys fan out)."""
         if steps and isinstance(steps[0], tuple) and steps[0][0] == "isa":  # inside ``if isinstance(obj, T):``
             return self.resolve(obj, steps[1:], owner, attr) if isinstance(obj, steps[0][1]) else []
@@ -80,15 +80,15 @@ class _Resolver:
                 return []
             if steps and isinstance(steps[0], str) and steps[0] in METADATA_ATTRS:
                 return []
-            return [_Resolved("param", obj, owner, attr)]
-        if isinstance(obj, (torch.Tensor, *_SCALARS)):
+            return [Resolved("param", obj, owner, attr)]
+        if isinstance(obj, (torch.Tensor, *SCALARS)):
             return []
         if isinstance(obj, nn.Module):
             return self._module(obj, steps)
         if not steps:
             if isinstance(obj, (types.ModuleType, type)):
-                return [_Resolved("static", obj)]
-            return [_Resolved("object", obj)]
+                return [Resolved("static", obj)]
+            return [Resolved("object", obj)]
         step, rest = steps[0], steps[1:]
         if isinstance(obj, types.ModuleType) and isinstance(step, str):
             value = obj.__dict__.get(step)
@@ -98,7 +98,7 @@ class _Resolver:
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__ if isinstance(value, staticmethod) else types.MethodType(value.__func__, obj)
             return [] if value is None else self.resolve(value, rest)
-        if isinstance(step, tuple) and step[0] == "[]" and (isinstance(obj, _Seq) or type(obj) in (list, tuple)):
+        if isinstance(step, tuple) and step[0] == "[]" and (isinstance(obj, Seq) or type(obj) in (list, tuple)):
             if isinstance(step[1], int) and -len(obj) <= step[1] < len(obj):
                 return self.resolve(obj[step[1]], rest)
             items = list(obj)
@@ -113,36 +113,36 @@ class _Resolver:
             return self.resolve(obj[key], rest) if key in obj else []  # a missing key raises: nothing read
         if isinstance(step, str):
             value = _plain_attr(obj, step)
-            if value is not _MISSING:
+            if value is not MISSING:
                 return self.resolve(value, rest)
-        return [_Resolved("object", obj)]  # a plain object reached part-way: judged by what it holds
+        return [Resolved("object", obj)]  # a plain object reached part-way: judged by what it holds
 
     def _holder(self, value: Any) -> nn.Module | None:
         owners = self.tree.param_owners.get(id(value)) if isinstance(value, nn.Parameter) else None
         return self.tree.modules[owners[0][0]] if owners else None
 
-    def _module(self, obj: nn.Module, steps: tuple[Step, ...]) -> list[_Resolved]:
+    def _module(self, obj: nn.Module, steps: tuple[Step, ...]) -> list[Resolved]:
         if not steps:
-            return [_Resolved("module", obj)]
+            return [Resolved("module", obj)]
         step, rest = steps[0], steps[1:]
         nexts: list[tuple[Any, str]] = []
         if isinstance(step, str):
-            if step in _REFLECTION_ATTRS and rest[:1] == ("keys",):
+            if step in REFLECTION_ATTRS and rest[:1] == ("keys",):
                 return []  # the names only (ModuleDict.keys())
             key = rest[0][1] if rest and isinstance(rest[0], tuple) and rest[0][0] == "[]" else None
-            if step in _REGISTRIES and isinstance(key, str) and type(getattr(obj, step, None)) is dict:
+            if step in REGISTRIES and isinstance(key, str) and type(getattr(obj, step, None)) is dict:
                 value = getattr(obj, step).get(key)  # ``self._modules["emb"]``: that entry, nothing else
                 return [] if value is None else self.resolve(value, rest[1:], owner=obj, attr=key)
             if step == "__dict__" and isinstance(key, str) and type(obj.__dict__) is dict:
-                if key in _REGISTRIES:  # ``vars(self)["_modules"]``: the registry itself
+                if key in REGISTRIES:  # ``vars(self)["_modules"]``: the registry itself
                     return self._module(obj, (key, *rest[1:]))
                 if key not in obj.__dict__:
                     return []  # submodules and Parameters are not in __dict__: a KeyError, nothing read
                 return self.resolve(obj.__dict__[key], rest[1:], owner=obj, attr=key)
-            if step in _REFLECTION_ATTRS or step in ("__getattr__", "__getattribute__"):
-                return [_Resolved("escape", obj, attr=step)]
-            dunder = step.startswith("__") and step.endswith("__") and step not in _HOOKED_CALLS
-            if step in _MODULE_METADATA or dunder:
+            if step in REFLECTION_ATTRS or step in ("__getattr__", "__getattribute__"):
+                return [Resolved("escape", obj, attr=step)]
+            dunder = step.startswith("__") and step.endswith("__") and step not in HOOKED_CALLS
+            if step in MODULE_METADATA or dunder:
                 return []  # __class__, __name__, .dtype: the object's type, never its data
             if step in obj._parameters:
                 nexts = [(obj._parameters[step], step)]
@@ -153,14 +153,14 @@ class _Resolver:
             elif step in obj.__dict__:
                 value = obj.__dict__[step]
                 if isinstance(value, types.MethodType) and value.__self__ is obj:
-                    return [_Resolved("method", obj, attr=step)] if not rest else []
+                    return [Resolved("method", obj, attr=step)] if not rest else []
                 nexts = [(value, step)]
             else:
-                static = _class_attr(type(obj), step)
+                static = class_attr(type(obj), step)
                 if isinstance(static, (types.FunctionType, staticmethod, classmethod)):
-                    return [_Resolved("method", obj, attr=step)] if not rest else []
+                    return [Resolved("method", obj, attr=step)] if not rest else []
                 if isinstance(static, (property, functools.cached_property)):
-                    return [_Resolved("property", obj, attr=step)]
+                    return [Resolved("property", obj, attr=step)]
                 if static is None:
                     if not _custom_getattr(type(obj)):
                         return []
@@ -171,17 +171,17 @@ class _Resolver:
                     except AttributeError:
                         return []  # no such attribute: the code raises there, nothing is read
                     except Exception:
-                        return [_Resolved("escape", obj, attr=step)]
+                        return [Resolved("escape", obj, attr=step)]
                     if isinstance(value, (nn.Module, nn.Parameter)) or (
                         isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module)
                     ):
                         # Which inner module answers depends on the wrapper's state (peft's disable_adapter()
                         # switches to the original module): everything below the wrapper counts as read.
-                        return [_Resolved("escape", obj, attr=f"{step} (answered by {type(obj).__name__})")]
+                        return [Resolved("escape", obj, attr=f"{step} (answered by {type(obj).__name__})")]
                     return self.resolve(value, rest, owner=self._holder(value), attr=step)
-                if callable(getattr(static, "__get__", None)) and not isinstance(static, (*_SCALARS, tuple, list,
+                if callable(getattr(static, "__get__", None)) and not isinstance(static, (*SCALARS, tuple, list,
                                                                                          frozenset, set, dict)):
-                    return [_Resolved("escape", obj, attr=step)]  # another descriptor: unknown code
+                    return [Resolved("escape", obj, attr=step)]  # another descriptor: unknown code
                 nexts = [(static, step)]
         elif step[0] == "()":
             try:
@@ -198,10 +198,10 @@ class _Resolver:
                 except Exception:
                     return []
         elif step[0] == "?":
-            return [_Resolved("escape", obj, attr="<computed attribute>")]
+            return [Resolved("escape", obj, attr="<computed attribute>")]
         elif step[0] == "via":  # get_submodule / get_parameter: getattr along the dotted name
-            if not _defined_by_nn_module(type(obj), step[1]):
-                return [_Resolved("escape", obj, attr=f"{step[1]}() (overridden)")]
+            if not defined_by_nn_module(type(obj), step[1]):
+                return [Resolved("escape", obj, attr=f"{step[1]}() (overridden)")]
             return self._module(obj, rest)
         elif step[0] == "**":
             return [r for module in _descendants(obj) for r in self.resolve(module, rest)]
@@ -228,12 +228,12 @@ def _plain_attr(obj: Any, name: str) -> Any:
     without running code: an instance attribute, or a function, staticmethod or classmethod of its class."""
     cls = type(obj)
     if name.startswith("__") or isinstance(obj, (types.FunctionType, types.MethodType, functools.partial)):
-        return _MISSING
-    if _class_attr(cls, "__getattribute__") not in _PLAIN_GETATTRIBUTE:
-        return _MISSING
-    static = _class_attr(cls, name)
+        return MISSING
+    if class_attr(cls, "__getattribute__") not in _PLAIN_GETATTRIBUTE:
+        return MISSING
+    static = class_attr(cls, name)
     if static is not None and hasattr(type(static), "__set__"):
-        return _MISSING  # a data descriptor (property, slot): runs code or is not in __dict__
+        return MISSING  # a data descriptor (property, slot): runs code or is not in __dict__
     inst = obj.__dict__ if type(getattr(obj, "__dict__", None)) is dict else {}
     if name in inst:
         return inst[name]
@@ -245,13 +245,13 @@ def _plain_attr(obj: Any, name: str) -> Any:
         return types.MethodType(static.__func__, cls)
     if static is not None and not hasattr(type(static), "__get__"):
         return static  # a plain class-level value
-    return _MISSING
+    return MISSING
 
 
-def _held(obj: Any, tree: ModuleTree, depth: int = _SCAN_DEPTH, seen: set[int] | None = None) -> list[Any]:
+def held_values(obj: Any, tree: ModuleTree, depth: int = SCAN_DEPTH, seen: set[int] | None = None) -> list[Any]:
     """Modules and Parameters of ``tree`` that a plain Python object holds (containers, closures, partials...)."""
     seen = set() if seen is None else seen
-    if id(obj) in seen or depth < 0 or isinstance(obj, _SCALARS):
+    if id(obj) in seen or depth < 0 or isinstance(obj, SCALARS):
         return []
     seen.add(id(obj))
     if isinstance(obj, nn.Module):
@@ -261,7 +261,7 @@ def _held(obj: Any, tree: ModuleTree, depth: int = _SCAN_DEPTH, seen: set[int] |
     if isinstance(obj, (torch.Tensor, types.ModuleType, type)):
         return []
     if isinstance(obj, types.FunctionType):
-        parts: list[Any] = [c.cell_contents for c in (obj.__closure__ or ()) if _cell_full(c)]
+        parts: list[Any] = [c.cell_contents for c in (obj.__closure__ or ()) if cell_full(c)]
         parts += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
     elif isinstance(obj, types.MethodType):
         parts = [obj.__self__, obj.__func__]
@@ -276,12 +276,12 @@ def _held(obj: Any, tree: ModuleTree, depth: int = _SCAN_DEPTH, seen: set[int] |
         parts += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
     found: list[Any] = []
     for part in parts:
-        if not isinstance(part, (*_SCALARS, torch.Tensor)):
-            found.extend(_held(part, tree, depth - 1, seen))
+        if not isinstance(part, (*SCALARS, torch.Tensor)):
+            found.extend(held_values(part, tree, depth - 1, seen))
     return found
 
 
-def _cell_full(cell: Any) -> bool:
+def cell_full(cell: Any) -> bool:
     try:
         cell.cell_contents  # noqa: B018
     except ValueError:
@@ -289,5 +289,5 @@ def _cell_full(cell: Any) -> bool:
     return True
 
 
-class _Seq(tuple):  # type: ignore[type-arg]
+class Seq(tuple):  # type: ignore[type-arg]
     """What a module iterator (``named_modules()``...) returns: iterating or indexing it gives its items."""

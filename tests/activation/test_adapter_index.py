@@ -1,5 +1,6 @@
-"""The adapter index ``fsdp_compat.adapters.ADAPTERS`` and the release tables, against oracles written independently
-(FACTS.md): triggers and ranges, a table row for every supported release, and the public names users import.
+"""The adapter index ``fsdp_compat.adapters.ADAPTERS`` and the release tables, against oracles written here again,
+independently of the index (the frameworks' own module names and the releases the tox envs install, tox.ini):
+triggers and ranges, a table row for every supported release, and the public names users import.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ _clean_env = _fakes._clean_env
 
 
 def test_index_is_the_one_home_of_triggers_and_ranges() -> None:
-    """Oracle written independently of the index, on purpose (FACTS.md sections 4 and 5)."""
+    """Oracle written independently of the index, on purpose: the module that defines verl's ``apply_fsdp2`` and
+    SkyRL's ``fsdp_utils`` in each package layout, and the supported releases (docs/stacks.md)."""
     from fsdp_compat.adapters import skyrl, verl
 
     assert (ADAPTERS["verl"].module, tuple(ADAPTERS["verl"].triggers)) == (
@@ -35,7 +37,7 @@ def test_index_is_the_one_home_of_triggers_and_ranges() -> None:
     assert verl.ADAPTER.trigger_modules == ("verl.utils.fsdp_utils",)
 
 
-#: every release fsdp-compat was run or read on (oracle, FACTS.md sections 4, 5, 9, 11, 14), and one outside each range
+#: every release fsdp-compat was run or read on (oracle: the tox envs, docs/stacks.md), and one outside each range
 KNOWN_RELEASES = {
     ("verl", "verl"): ["0.4.0", "0.4.1", "0.5.0", "0.6.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.0", "0.9.1"],
     ("skyrl", "skyrl-train"): ["0.1.0", "0.2.0", "0.3.0", "0.3.1"],
@@ -104,3 +106,23 @@ def test_importing_an_adapter_imports_no_torch_and_no_analysis(key: str) -> None
         """
     )
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
+
+
+def test_each_adapter_names_its_framework_one_way_in_its_warnings() -> None:
+    """The selection helpers log the framework by the name each call passes (AReaL's adapter once wrote "areal" in
+    one warning and "AReaL" in another): every adapter module passes one name."""
+    import ast
+    from pathlib import Path
+
+    import fsdp_compat.adapters as package
+
+    helpers = {"keep_safe", "outdated_fallback", "warn_unmatched"}
+    for source in sorted(Path(package.__file__).parent.glob("[!_]*.py")):  # the adapters, not the helpers
+        calls = [
+            node
+            for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers
+        ]
+        names = {c.args[0].value for c in calls if c.args and isinstance(c.args[0], ast.Constant)}
+        assert len(names) <= 1, (source.name, sorted(names))
+        assert all(c.args and isinstance(c.args[0], ast.Constant) for c in calls), source.name

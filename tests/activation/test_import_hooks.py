@@ -53,8 +53,9 @@ def test_autoload_imports_nothing_and_honours_switches(monkeypatch: pytest.Monke
 
 
 def test_no_import_cycle_and_one_hook_engine() -> None:
-    """_autoload imports nothing of fsdp-compat but the adapter index, which imports nothing at all; activation and
-    patching import _autoload, never the reverse. Once an adapter is loaded and patched, one finder of ours sits in
+    """_autoload imports nothing of fsdp-compat but the switch reader (``os`` and ``sys``; the error class only on its
+    error path) and the adapter index, which imports nothing at all; activation and patching import _autoload,
+    never the reverse. Once an adapter is loaded and patched, one finder of ours sits in
     sys.meta_path and wrapt is not loaded."""
     import ast
 
@@ -64,7 +65,12 @@ def test_no_import_cycle_and_one_hook_engine() -> None:
         return found | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
     package = Path(_autoload.__file__).parent
-    assert {m for m in imports(package / "_autoload.py") if m.startswith("fsdp_compat")} == {"fsdp_compat.adapters"}
+    assert {m for m in imports(package / "_autoload.py") if m.startswith("fsdp_compat")} == {
+        "fsdp_compat.adapters",
+        "fsdp_compat.switches",
+    }
+    assert imports(package / "switches.py") == {"__future__", "os", "sys", "collections.abc", "fsdp_compat.errors"}
+    assert imports(package / "errors.py") == {"__future__"}
     index = Path(sys.modules["fsdp_compat.adapters"].__file__ or "")
     assert imports(index) == {"__future__"}
     assert "fsdp_compat._autoload" in imports(package / "activation.py")

@@ -64,3 +64,19 @@ def test_read_after_the_heads_forward_records_that_forward():
     assert (zloss.reader, zloss.kind, fused.reader, fused.kind) == ("", "raw-read", "", "raw-read")
     assert "lm_head" in zloss.after_forward_of
     assert "lm_head" not in fused.after_forward_of
+
+
+def test_analysis_modules_share_only_public_names():
+    """One module of the analysis may use what another defines, by its public name: a ``_name`` stays private to
+    the module that defines it (the package's modules once imported 36 of each other's private names)."""
+    import ast
+    from pathlib import Path
+
+    import fsdp_compat.analysis as package
+
+    private = []
+    for source in sorted(Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_compat"):
+                private += [f"{source.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []

@@ -7,8 +7,8 @@ reference, in every rank, does ``(ref(**batch_r).loss / 2).backward()`` for both
 Asserted: every gradient and parameter within 1e-6 relative of the reference after each step, and at step 1 the
 decoder's own gradients and post-step parameters ``== 0.0``. Not 0.0 everywhere because the encoder output feeds
 every decoder layer's cross-attention and the embedding table is tied: FSDP2's hooks change the order in which
-autograd sums those several consumers' gradients (measured: 1e-11 absolute in the encoder, FACTS section 2, as with
-T5), which AdamW's first step magnifies on near-zero gradients. The rank routine lives here
+autograd sums those several consumers' gradients (a reordered sum, as with T5: within the 1e-6 relative this test
+asserts, not 0.0), which AdamW's first step magnifies on near-zero gradients. The rank routine lives here
 (the ranks import this file with ``tests/`` on ``PYTHONPATH``).
 """
 

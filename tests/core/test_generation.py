@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEVICE, WORLD_SIZE
+from _support import DEVICE, WORLD_SIZE
 
 from fsdp_compat.testing.launch import RunResult, run_ranks
 

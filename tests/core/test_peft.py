@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import WORLD_SIZE
+from _support import WORLD_SIZE
 
 from fsdp_compat.plan import plan_wrap
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH

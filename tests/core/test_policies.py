@@ -35,7 +35,8 @@ def test_a_policy_object_passes_through_and_other_types_are_refused() -> None:
 
 
 def test_legacy_variants_differ_only_in_the_output_embedding_rule() -> None:
-    """verl >= 0.7.1 adds ``lm_head``; SkyRL and verl 0.4-0.7.0 take embeddings only (policies docstrings, FACTS.md)."""
+    """verl >= 0.7.1 adds ``lm_head``; SkyRL and verl 0.4-0.7.0 take embeddings only (policies docstrings,
+    docs/stacks.md)."""
     assert Legacy().output_embeddings is True and LegacySkyrl().output_embeddings is False
     assert isinstance(LegacySkyrl(), Legacy)
     assert Auto.analyzed and not any(cls.analyzed for cls in (Legacy, LegacySkyrl, InputOnly, LayersOnly))

@@ -8,8 +8,9 @@ and sharded under ``auto``, resumes to step 4, saves, and loads those into ``leg
 verl/SkyRL gather, the loss trajectory. Each rank trains on its own micro-batch; the unsharded reference trains on
 all the ranks' micro-batches with the mean loss, and every rank's losses and post-AdamW parameters equal it (0.0).
 
-Patching (issue item 3) and the harness's timeouts (item 4) are covered by tests/activation/test_patching.py
-and tests/core/test_harness.py.
+Patching is covered by tests/activation/test_patching.py; a rank that raises or hangs under the launcher
+(``fsdp_compat.testing.launch.run_ranks``) by ``test_failing_rank_reported_fast`` and
+``test_hanging_rank_times_out_and_leaves_no_process``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import DEVICE, WORLD_SIZE
+from _support import DEVICE, WORLD_SIZE
 from torch import nn
 
 from fsdp_compat.errors import FsdpCompatError

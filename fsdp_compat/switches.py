@@ -1,0 +1,112 @@
+"""The one reader of the ``FSDP_COMPAT*`` environment variables: one vocabulary of on and off for all of them.
+
+Every switch is read here, so that ``off`` means the same everywhere (docs/activation.md, "Switches", lists them):
+
+- on: ``1``, ``on``, ``true``, ``yes``, ``enable``, ``enabled``;
+- off: ``0``, ``off``, ``false``, ``no``, ``disable``, ``disabled``;
+- unset or empty: the variable's default. Case and surrounding spaces do not matter.
+
+A variable with named choices (``FSDP_COMPAT_MIXED_BATCHES``, ``FSDP_COMPAT_LOG``, ``FSDP_COMPAT_POLICY``) takes its
+choices, plus the on and off spellings where the variable has an on and an off choice.
+
+Anything else is not guessed at. Where the switch is read at interpreter start or while a framework imports (the
+``.pth`` hook, activation, the log filter: ``strict=False``) it is one warning naming the choices, once per process,
+and the default: a typo never crashes the user's process from there. Where it is read when a model is sharded
+(the guard, the mixed micro-batch alignment, the wrap policy: ``strict=True``) it is a
+:class:`~fsdp_compat.errors.FsdpCompatError` naming the variable, the value and the choices.
+
+Imports only ``os`` and ``sys``: the ``.pth`` start-up hook imports this module in every Python process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is not loaded at interpreter start; keep it that way
+    from collections.abc import Iterable, Mapping
+
+SWITCH = "FSDP_COMPAT"  #: off: no automatic activation at all (explicit patch() still works)
+AUTOLOAD = "FSDP_COMPAT_AUTOLOAD"  #: off: only the .pth start-up hook is off
+POLICY = "FSDP_COMPAT_POLICY"  #: the wrap policy the adapters use (default auto)
+FORCE = "FSDP_COMPAT_FORCE"  #: on: patch a framework version outside the supported range
+LOG = "FSDP_COMPAT_LOG"  #: quiet (or off): drop the INFO lines
+GUARD = "FSDP_COMPAT_GUARD"  #: off: no run-time guard
+MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"  #: sync (on), always, off
+
+ON = ("1", "on", "true", "yes", "enable", "enabled")
+OFF = ("0", "off", "false", "no", "disable", "disabled")
+
+#: Every log line and warning starts with this, whatever handler formats it, so job logs can be grepped for it.
+PREFIX = "fsdp-compat:"
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn(message: str) -> None:
+    """Report on stderr without importing logging or warnings (this may run at interpreter start)."""
+    try:  # noqa: SIM105 - contextlib is not imported at start; keep it that way
+        sys.stderr.write(f"{PREFIX} {message}\n")
+    except Exception:  # no usable stderr (pythonw, closed pipe): nothing more to do
+        pass
+
+
+def _raw(variable: str) -> str:
+    return os.environ.get(variable, "").strip()
+
+
+def _unknown(variable: str, raw: str, what: str, choices: Iterable[str], default: str, strict: bool) -> None:
+    text = f"{variable}={raw!r} is not {what}; set it to one of {', '.join(choices)} or unset it for {default!r}"
+    if strict:
+        from fsdp_compat.errors import FsdpCompatError  # lazy: only on the error path
+
+        raise FsdpCompatError(text)
+    if (variable, raw) not in _warned:
+        _warned.add((variable, raw))
+        warn(f"{text}; using {default!r}")
+
+
+def flag(variable: str, default: bool, *, strict: bool = False) -> bool:
+    """An on/off switch: True for an on spelling, False for an off spelling, ``default`` when unset or empty."""
+    raw = _raw(variable)
+    value = raw.lower()
+    if not value:
+        return default
+    if value in ON:
+        return True
+    if value in OFF:
+        return False
+    _unknown(variable, raw, "on or off", (*ON, *OFF), ON[1] if default else OFF[1], strict)
+    return default
+
+
+def choice(
+    variable: str,
+    choices: Iterable[str],
+    default: str,
+    *,
+    on: str | None = None,
+    off: str | None = None,
+    aliases: Mapping[str, str] | None = None,
+    what: str = "",
+    strict: bool = False,
+) -> str:
+    """A switch with named choices (lower-cased); the on/off spellings stand for ``on``/``off`` where given, and
+    ``aliases`` maps further accepted spellings to a choice."""
+    choices = tuple(choices)
+    raw = _raw(variable)
+    value = raw.lower()
+    if not value:
+        return default
+    if value in choices:
+        return value
+    if on is not None and value in ON:
+        return on
+    if off is not None and value in OFF:
+        return off
+    if aliases and value in aliases:
+        return aliases[value]
+    accepted = (*choices, *(ON if on is not None else ()), *(OFF if off is not None else ()), *(aliases or ()))
+    _unknown(variable, raw, what or "understood", accepted, default, strict)
+    return default
