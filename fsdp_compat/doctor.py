@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from fsdp_compat import _autoload
+from fsdp_compat import _autoload, switches
 from fsdp_compat._autoload import (
     ENV_AUTOLOAD,
     ENV_FORCE,
@@ -29,6 +29,7 @@ from fsdp_compat._autoload import (
     force_enabled,
 )
 from fsdp_compat.adapters import ADAPTERS, AdapterEntry
+from fsdp_compat.torch_versions import GUARD_MIN_TORCH, guard_supports, installed_torch
 
 PTH_NAME = "fsdp_compat.pth"
 
@@ -80,7 +81,21 @@ def _activation_lines() -> list[str]:
     lines.append(f"policy: {policy} ({_env(ENV_POLICY)})")
     lines.append(f"force unsupported versions: {'yes' if force_enabled() else 'no'} ({_env(ENV_FORCE)})")
     lines.append(f"log: {'quiet (INFO lines dropped)' if _autoload.quiet() else 'info'} ({_env(ENV_LOG)})")
+    lines.append(_guard_line())
     return lines
+
+
+def _guard_line() -> str:
+    """Whether the run-time guard will be installed on the models fsdp-compat shards in this environment, and why."""
+    supported = "torch >= {}.{}".format(*GUARD_MIN_TORCH)
+    torch_version = installed_torch()
+    if torch_version is None:
+        return f"run-time guard: OFF (torch is not installed; it supports {supported})"
+    if not guard_supports(torch_version):
+        return f"run-time guard: OFF on torch {torch_version} (it supports {supported}; FSDP2 runs without it)"
+    if not switches.flag(switches.GUARD, True):
+        return f"run-time guard: OFF ({_env(switches.GUARD)}; torch {torch_version} would support it)"
+    return f"run-time guard: on (torch {torch_version}, supported: {supported}; {_env(switches.GUARD)})"
 
 
 def _distribution_line(distribution: str, spec: str, trigger: str, patched: dict[str, tuple]) -> str:

@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.torch_versions import GUARD_MIN_TORCH, guard_supports
 from fsdp_compat.tree import ModuleTree
 from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
@@ -93,22 +94,14 @@ def guard_enabled() -> bool:
     return switches.flag(ENV_GUARD, True, strict=True)
 
 
-#: The oldest torch whose FSDP2 internals behave as the guard assumes (``tests/guard/test_guard_contract.py`` passes
-#: there).
-#: On torch 2.8, 2.10 and 2.11 the contract fails (an instance override of the root's post-backward callback is not
-#: what FSDP2 runs once per backward) and guarded training gave wrong gradients or crashed in backward, so on an
-#: older torch the guard stands aside: FSDP2 runs as without it, the static plan still applies.
-MIN_TORCH = (2, 13)
+#: The oldest torch the guard supports (its one home: :mod:`fsdp_compat.torch_versions`).
+MIN_TORCH = GUARD_MIN_TORCH
 _warned_torch: list[bool] = []
 
 
 def torch_supported(version: str | None = None) -> bool:
-    """Whether the guard runs on this torch (``version`` defaults to the installed one)."""
-    release = (version or torch.__version__).split("+")[0].split(".")
-    try:
-        return (int(release[0]), int(release[1])) >= MIN_TORCH
-    except (IndexError, ValueError):
-        return False
+    """Whether the guard runs on this torch (``version`` defaults to the imported one)."""
+    return guard_supports(version or torch.__version__)
 
 
 def install_guard(model: nn.Module) -> Guard | None:
@@ -124,8 +117,8 @@ def install_guard(model: nn.Module) -> Guard | None:
         if not _warned_torch:
             _warned_torch.append(True)
             logger.warning(
-                "fsdp-compat: run-time guard off: it supports torch >= %d.%d (its FSDP2 contract test fails on torch "
-                "%s); FSDP2 runs as without the guard, fsdp-compat's static plan still applies",
+                "fsdp-compat: run-time guard off: it supports torch >= %d.%d, not torch %s; FSDP2 runs as without "
+                "the guard, fsdp-compat's static plan still applies",
                 *MIN_TORCH,
                 torch.__version__,
             )
@@ -284,7 +277,11 @@ class Guard:
                     roots[id(other)] = other
         if groups and not roots:
             raise AttributeError("no FSDP2 root state after the root's lazy init")
-        for state in roots.values():
+        # FSDP2 queues the final callback of whichever state's pre-backward hook autograd reaches first: the root's
+        # on torch >= 2.13, often a child's on older torches (their root registers no hook on a ModelOutput). Every
+        # state of the root's tree gets the wrapper, so the one FSDP2 queues is always the guard's.
+        states = {id(s): s for root in roots.values() for s in root._state_ctx.all_states}
+        for state in states.values():
             current = state._root_post_backward_final_callback  # FSDP2's, or another guard's wrapper: chained
             if not (isinstance(current, functools.partial) and current.func == self._final_callback):
                 wrapper = functools.partial(self._final_callback, current)
@@ -348,6 +345,12 @@ class Guard:
             group.post_backward = functools.partial(self._deferred_post_backward, group, type(group).post_backward)
         group.unshard()
         group.wait_for_unshard()
+        if self._grad and hasattr(group, "_set_unsharded_grad_dtypes"):
+            # torch >= 2.15 lets gradients accumulate in the parameter dtype only inside a group's backward window
+            # (pre-backward to post-backward) and up-casts the ones that arrive outside it. The raw read's gradient
+            # arrives before this group's pre-backward: open the window now, so it accumulates exactly as it
+            # would in a group whose window covers the read (the plan the log line recommends).
+            group._set_unsharded_grad_dtypes(defer_upcast=True)
         self.unshards += 1
         if id(group) not in self._logged:
             self._logged.add(id(group))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,10 @@ __all__ = ["both_layers_before_forward", "passed_embedding", "weight_before_forw
 _VOCAB, _DIM, _ROWS, _LEN = 64, 32, 2, 10
 
 
-@dataclass
-class Output:
+class Output(NamedTuple):
+    """A pytree (as transformers' ModelOutput is): torch < 2.13 finds the root's output tensors only through pytree,
+    and a root that reshards after forward (``reshard_after_forward=True``) needs them to unshard for backward."""
+
     loss: torch.Tensor
 
 
@@ -331,7 +333,9 @@ def probe_no_grad() -> dict[str, Any]:
     with torch.no_grad():
         loss = float(model(**batch).loss)
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    groups = [g for state in states for g in state._fsdp_param_groups]
+    from fsdp_compat.guard import _param_groups
+
+    groups = [g for state in states for g in _param_groups(state)]
     return {
         "loss": loss,
         "unshards": (guard.unshards - before) if guard else 0,
@@ -616,24 +620,25 @@ def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
             original_post_backward(group, *unused)
 
     group.post_backward = deferred
-    root = roots[0]
-    original_final = root._root_post_backward_final_callback
+    states = list(roots[0]._state_ctx.all_states)
 
-    def final() -> None:
+    def final(original: Any) -> None:
         calls["final"] += 1
         in_final[0] = True
         try:
-            original_final()
+            original()
         finally:
             in_final[0] = False
 
-    root._root_post_backward_final_callback = functools.partial(final)
+    for each in states:  # FSDP2 queues the callback of the first state autograd reaches: the guard wraps them all
+        each._root_post_backward_final_callback = functools.partial(final, each._root_post_backward_final_callback)
     model.zero_grad()
     out = model(**batch)
     check("post_forward_mesh_info=None: the group is still unsharded after its forward (and the whole forward)",
           group.is_unsharded and target.lin.weight is fp.unsharded_param)
     out.loss.backward()
-    check("an instance override of FSDPState._root_post_backward_final_callback runs once per backward",
+    check("instance overrides of FSDPState._root_post_backward_final_callback on every state of the root's tree: "
+          "FSDP2 runs one of them once per backward",
           calls["final"] == 1, calls)
     check("an instance override of FSDPParamGroup.post_backward is what FSDP2 calls, also from the final callback",
           calls["post_backward"] >= 1 and calls["post_backward_in_final"] >= 1, calls)
@@ -642,7 +647,8 @@ def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
           isinstance(grad, DTensor) and group.is_sharded, type(grad))
     group.post_forward_mesh_info = own
     del group.post_backward
-    del root._root_post_backward_final_callback
+    for each in states:
+        del each._root_post_backward_final_callback
     model.zero_grad()
     model(**batch)
     check("post_forward_mesh_info restored: the group reshards after its forward again", group.is_sharded)

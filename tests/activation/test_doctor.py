@@ -43,3 +43,22 @@ def test_doctor_reports_without_patching() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "adapter not loaded in this process" in done.stdout
+
+
+def test_doctor_says_whether_the_guard_runs_on_this_torch_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard line reads the installed torch's metadata (doctor imports no torch) and the switch."""
+    from importlib import metadata
+
+    from fsdp_compat import doctor
+
+    monkeypatch.delenv("FSDP_COMPAT_GUARD", raising=False)
+    here = metadata.version("torch")
+    assert f"run-time guard: on (torch {here}, supported: torch >= 2.8; FSDP_COMPAT_GUARD unset)" in doctor.report()
+    monkeypatch.setenv("FSDP_COMPAT_GUARD", "disable")
+    assert f"run-time guard: OFF (FSDP_COMPAT_GUARD=disable; torch {here} would support it)" in doctor.report()
+    monkeypatch.delenv("FSDP_COMPAT_GUARD")
+    for old in ("2.7.1+cu126", "2.6.0"):
+        monkeypatch.setattr(doctor, "installed_torch", lambda old=old: old)
+        assert f"run-time guard: OFF on torch {old} (it supports torch >= 2.8; FSDP2 runs without it)" in doctor.report()
+    monkeypatch.setattr(doctor, "installed_torch", lambda: None)
+    assert "run-time guard: OFF (torch is not installed; it supports torch >= 2.8)" in doctor.report()

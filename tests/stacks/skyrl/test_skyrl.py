@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 from _support import require_framework
 
-from fsdp_compat.guard import torch_supported
 from fsdp_compat.testing.launch import RunResult
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.skyrl_smoke import (
@@ -154,9 +153,6 @@ def test_guard_turns_skyrls_own_rule_into_parity() -> None:
     env = {ENV_CONFIG: "explicit", "FSDP_COMPAT_POLICY": "legacy-skyrl"}
     _assert_crash(_run("wrap_strategy", FSDP_COMPAT_GUARD="off", **env), GRID_SAMPLER_CRASH)
     result = _run("wrap_strategy", **env)
-    if not torch_supported():  # torch < 2.13 (skyrl-train's pin, 2.8): the guard stands aside, the crash stays
-        _assert_crash(result, GRID_SAMPLER_CRASH)
-        return
     result.raise_for_error()
     assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
     for rank in result.ranks:
