@@ -59,6 +59,7 @@ def test_doctor_says_whether_the_guard_runs_on_this_torch_and_why(monkeypatch: p
     monkeypatch.delenv("FSDP_COMPAT_GUARD")
     for old in ("2.7.1+cu126", "2.6.0"):
         monkeypatch.setattr(doctor, "installed_torch", lambda old=old: old)
-        assert f"run-time guard: OFF on torch {old} (it supports torch >= 2.8; FSDP2 runs without it)" in doctor.report()
+        line = f"run-time guard: OFF on torch {old} (it supports torch >= 2.8; FSDP2 runs without it)"
+        assert line in doctor.report()
     monkeypatch.setattr(doctor, "installed_torch", lambda: None)
     assert "run-time guard: OFF (torch is not installed; it supports torch >= 2.8)" in doctor.report()
