@@ -485,7 +485,7 @@ def _dp_steps(cfg: dict[str, Any], rank: int, world: int, model: nn.Module, twin
             extra.setdefault("eval_losses", []).append(float(model(**batches[(rank + 1) % world]).loss))
 
     opts = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3)
-    diff = Diff(absent_is_inf=True)
+    diff = Diff()
     for _ in range(cfg.get("steps", 2)):
         step = twin_step(model, twin, opts, batches, rank, (diff, diff), scale=cfg["scale"],
                          between=evaluate if cfg.get("no_grad_between") else None)

@@ -26,7 +26,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankResult", "RunResult", "rank_entry", "run_ranks", "spawn_ranks"]
+__all__ = ["RankResult", "RunResult", "current_wording", "rank_entry", "run_ranks", "spawn_ranks"]
+
+#: Errors that older torch releases word differently: (older wording, the wording of torch >= 2.10).
+_OLDER_WORDINGS = (
+    (".default: got mixed", ".default got mixed"),  # DTensor's mixed-operand error, torch 2.8
+    # gloo's mismatched collective (one rank's all-gather or reduce-scatter larger than the other's), torch 2.8
+    ("op.preamble.length <= op.nbytes", "Received data size doesn't match expected size"),
+)
+
+
+def current_wording(text: str) -> str:
+    """``text`` with the older torch releases' wordings of the same failures rewritten to the current one, so that a
+    test or smoke row that expects a crash names it once, whatever torch the ranks ran."""
+    for old, new in _OLDER_WORDINGS:
+        text = text.replace(old, new)
+    return text
 
 _FAIL_GRACE_S = 2.0  # after one rank fails, how long the others get to report their own error before the kill
 

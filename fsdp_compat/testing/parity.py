@@ -61,6 +61,7 @@ def run_training(
     python: str | None = None,
     variants: list[str] | None = None,
     same_batch: bool = False,
+    absent_is_zero: bool = False,
 ) -> RunResult:
     """Train zoo model ``model`` for ``steps`` AdamW steps on ``world_size`` ranks under ``wrap``: data-parallel.
 
@@ -70,8 +71,9 @@ def run_training(
     ranks' micro-batches with the mean of their losses (one backward per micro-batch of ``loss / world_size``,
     so that with 2 ranks its gradient sums are the ones FSDP2's reduce-scatter makes: exact, 0.0). Gradients are
     compared after each backward and parameters after each AdamW step. ``same_batch`` gives every rank rank 0's
-    micro-batch. ``env`` is set in each rank before Python starts (a None value unsets that variable); ``python``
-    runs the ranks under another interpreter (e.g. a framework's venv).
+    micro-batch. ``absent_is_zero``: a gradient on one side only is compared with zeros (default: it fails the
+    comparison, see :class:`Diff`). ``env`` is set in each rank before Python starts (a None value unsets that
+    variable); ``python`` runs the ranks under another interpreter (e.g. a framework's venv).
     """
     if world_size < 1:
         from fsdp_compat.errors import FsdpCompatError
@@ -87,6 +89,7 @@ def run_training(
         "wrap_kwargs": wrap_kwargs or {},
         "variants": list(variants) if variants else None,
         "same_batch": same_batch,
+        "absent_is_zero": absent_is_zero,
     }
     if variants is not None and len(variants) != world_size:
         from fsdp_compat.errors import FsdpCompatError
@@ -113,21 +116,24 @@ def worse(worst: float, x: float) -> float:
 
 class Diff:
     """Running max of absolute and relative (``|Δ| / max(1, |ref|)``) differences, and where the worst relative one
-    was. NaN-sticky (a NaN anywhere stays NaN: every assertion on it fails). A tensor on one side only is compared
-    with zeros, or counts as ``inf`` with ``absent_is_inf``."""
+    was. NaN-sticky (a NaN anywhere stays NaN: every assertion on it fails). Tensors of different shapes count as
+    ``inf`` (a broadcast never hides a wrong shape); so does a tensor on one side only (a gradient the sharded model
+    lost, or one it should not have), unless ``absent_is_zero``: then it is compared with zeros (a side that
+    legitimately leaves ``.grad`` unset for a zero gradient)."""
 
-    def __init__(self, *, absent_is_inf: bool = False) -> None:
+    def __init__(self, *, absent_is_zero: bool = False) -> None:
         self.abs = 0.0
         self.rel = 0.0
         self.where = ""
-        self.absent_is_inf = absent_is_inf
+        self.absent_is_zero = absent_is_zero
 
     def add(self, name: str, got: Any, ref: Any) -> None:
         import torch
 
         if got is None and ref is None:
             return
-        if (got is None or ref is None) and self.absent_is_inf:
+        one_side = got is None or ref is None
+        if (one_side and not self.absent_is_zero) or (not one_side and tuple(got.shape) != tuple(ref.shape)):
             a = r = math.inf
         else:
             got = torch.zeros_like(ref) if got is None else got.detach().float()
@@ -279,7 +285,7 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     scale = 1.0 / gradient_reduction_factor(mesh)  # torch 2.8's FSDP2 over gloo sums gradients instead of averaging
     extra["gradient_reduction_factor"] = 1.0 / scale
     opts = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    grads, params = Diff(), Diff()
+    grads, params = Diff(absent_is_zero=cfg.get("absent_is_zero", False)), Diff()
     losses: list[float] = []
     ref_losses: list[float] = []
     times: list[float] = []

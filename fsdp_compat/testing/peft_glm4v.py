@@ -51,7 +51,7 @@ def _case(config: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any])
     trainable = [p for p in model.parameters() if p.requires_grad]
     twin_trainable = [p for p in twin.parameters() if p.requires_grad]
     opts = torch.optim.AdamW(trainable, lr=1e-3), torch.optim.AdamW(twin_trainable, lr=1e-3)
-    diff = Diff(absent_is_inf=True)  # a gradient on one side only (e.g. LoRA factors of a raw-read table): inf
+    diff = Diff()  # a gradient on one side only (e.g. LoRA factors of a raw-read table): inf
 
     def poison() -> None:
         next(p for p in trainable if p.grad is not None).grad.mul_(float("nan"))

@@ -702,7 +702,7 @@ def _train(name: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) 
         "no_reshard": [list(g.paths) for g in plan.groups if g.overrides.get("reshard_after_forward") is False],
     }
     opts = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
-    diff = Diff(absent_is_inf=True)
+    diff = Diff()
     batches = [_ids(r) for r in range(world)]
     perturb = 1 + 1e-6 if cfg.get("perturb") else 1.0  # (loss * p) / 2 == (loss / 2) * p: halving is exact
     for _ in range(cfg.get("steps", 2)):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fsdp_compat.testing.launch import current_wording
+
 if TYPE_CHECKING:
     from fsdp_compat.testing.launch import RunResult
 
@@ -30,8 +32,8 @@ class SmokeRow:
     def passed(self) -> bool:
         if self.outcome != self.expected:
             return False
-        if self.expected == "crash":  # torch 2.8 words DTensor's error "aten.op.default: got mixed ..."
-            return self.expect_text in self.detail.replace(".default: got mixed", ".default got mixed")
+        if self.expected == "crash":  # older torches word some crashes differently
+            return self.expect_text in current_wording(self.detail)
         return (
             self.max_rel_grad_diff is not None
             and self.max_rel_param_diff is not None
@@ -57,8 +59,8 @@ class SmokeRow:
             detail = f"parity Δgrad={_fmt(g)} Δparam={_fmt(p)}"
             return cls(framework, case, expected, "ok", detail, g, p, run.seconds, expect_text, tolerance)
         detail = run.exception or ""
-        if expect_text and expect_text not in detail:
-            texts = [f"{r.error or ''}\n{r.extra.get('log_tail', '')}" for r in run.failing_ranks]
+        if expect_text and expect_text not in current_wording(detail):
+            texts = [current_wording(f"{r.error or ''}\n{r.extra.get('log_tail', '')}") for r in run.failing_ranks]
             lines = [ln[ln.index(expect_text) :] for text in texts for ln in text.splitlines() if expect_text in ln]
             detail = f"(a rank aborted) {lines[0]}" if lines else detail
         return cls(framework, case, expected, "crash", detail, None, None, run.seconds, expect_text, tolerance)

@@ -223,7 +223,18 @@ def _glm4v_moe() -> nn.Module:
     )
     config = Glm4vMoeConfig(text_config=text, vision_config=dict(_GLM_VISION), tie_word_embeddings=False, **_GLM_TOKENS)
     config._attn_implementation = "eager"
+    if _torch_release() < (2, 9):
+        # transformers' grouped-mm experts call torch._grouped_mm, which torch 2.8 has for CUDA only: the loop
+        config._experts_implementation = "eager"
     return Glm4vMoeForConditionalGeneration(config)
+
+
+def _torch_release() -> tuple[int, int]:
+    import torch
+
+    from fsdp_compat.torch_versions import release
+
+    return release(torch.__version__) or (0, 0)
 
 
 def _vlm_batch(

@@ -219,3 +219,24 @@ def test_comparator_keeps_nan_whatever_comes_after(order: str) -> None:
     values = [math.nan, 0.0] if order == "nan first" else [0.0, math.nan]
     run = RunResult([RankResult(rank=r, ok=True, max_abs_grad_diff=v) for r, v in enumerate(values)])
     assert math.isnan(run.max_abs_grad_diff)  # one rank's NaN fails the run
+
+
+def test_comparator_counts_a_missing_side_and_a_wrong_shape_as_inf() -> None:
+    """A gradient on one side only, or of another shape (which a broadcast would hide: ``[1.0]`` against
+    ``[1.0, 1.0]`` subtracts to zeros), is never 0.0; ``absent_is_zero`` compares a missing side with zeros."""
+    import torch
+
+    from fsdp_compat.testing.parity import Diff
+
+    one, two = torch.tensor([1.0]), torch.tensor([1.0, 1.0])
+    assert float((one - two).abs().max()) == 0.0  # what the comparator must not be fooled by
+    for got, ref in ((one, two), (two, one), (None, one), (one, None)):
+        diff = Diff()
+        diff.add("p", got, ref)
+        assert diff.abs == math.inf and diff.rel == math.inf and diff.where == "p", (got, ref)
+    lenient = Diff(absent_is_zero=True)
+    lenient.add("q", None, torch.zeros(3))
+    lenient.add("r", torch.zeros(2), None)
+    assert lenient.abs == 0.0
+    lenient.add("s", None, torch.tensor([0.5]))
+    assert lenient.abs == 0.5 and lenient.where == "s"

@@ -16,6 +16,7 @@ With ``device == "cuda"`` verl's own CUDA platform and NCCL are used and nothing
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 import traceback
@@ -471,7 +472,10 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
 
 
 def _worst(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, list[str]]:
-    """Largest absolute difference over every tensor (NaN counts as worst), its name, and names missing a side."""
+    """Largest absolute difference over every tensor (NaN counts as worst, a shape mismatch is inf), its name, and
+    names missing a side."""
+    from fsdp_compat.testing.parity import worse
+
     worst, where, missing = 0.0, "", []
     for name, ref in want.items():
         mine = got.get(name)
@@ -480,9 +484,13 @@ def _worst(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, list[
             continue
         if ref is None:
             continue
-        x = float((mine.float() - ref.float()).abs().max()) if ref.numel() else 0.0
-        if not (x <= worst):  # NaN fails too
-            worst, where = x, name
+        if tuple(mine.shape) != tuple(ref.shape):  # a broadcast must not hide a wrong shape
+            x = math.inf
+        else:
+            x = float((mine.float() - ref.float()).abs().max()) if ref.numel() else 0.0
+        if not math.isnan(worst) and not (x <= worst):
+            where = name
+        worst = worse(worst, x)  # NaN-sticky: a later finite value never replaces a NaN
     return worst, where, missing
 
 
@@ -533,11 +541,11 @@ def parity_reference(
         grad_diff, grad_at, grad_missing = _worst(grads[step], {n: p.grad for n, p in named.items()})
         optimizer.step()
         param_diff, param_at, param_missing = _worst(params[step], {n: p.detach() for n, p in named.items()})
+        from fsdp_compat.testing.parity import worse
+
         loss_diff = 0.0
         for r in range(world):
-            x = abs(ranks[r][step]["loss"] - losses[r])
-            if not (x <= loss_diff):
-                loss_diff = x
+            loss_diff = worse(loss_diff, abs(ranks[r][step]["loss"] - losses[r]))
         out["steps"].append(
             {
                 "losses": losses,
