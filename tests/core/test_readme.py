@@ -2,11 +2,13 @@
 relative link leads somewhere.
 
 A fenced ``python`` block directly after an HTML comment ``<!-- runs-as-written -->`` is executed in a fresh
-interpreter (the installed package, no test helpers on the path); it must exit 0. The pages' claims that are
-figures are asserted by the tests and benchmarks they name; this file keeps the snippets, the links and the prose
-honest. Links are checked the way GitHub renders them: a relative path must exist, and an ``#anchor`` must be a
-heading of the target page (GitHub's slug: lower case, punctuation dropped, spaces to hyphens, ``-1``, ``-2`` for
-repeats).
+interpreter (the installed package, no test helpers on the path); it must exit 0. When the block is followed by
+``<!-- prints -->`` and a fenced ``text`` block, every non-empty line of that block must appear in the snippet's
+output, in order (a page that says what a snippet prints is asserted, not trusted); a snippet's comments state no
+figures (those belong in the printed block). The pages' other figures are asserted by the tests and benchmarks they
+name; this file keeps the snippets, the links and the prose honest. Links are checked the way GitHub renders them:
+a relative path must exist, and an ``#anchor`` must be a heading of the target page (GitHub's slug: lower case,
+punctuation dropped, spaces to hyphens, ``-1``, ``-2`` for repeats).
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- runs-as-written -->"
-_BLOCK = re.compile(re.escape(MARKER) + r"\s*```python\n(.*?)```", re.S)
+PRINTS = "<!-- prints -->"
+_BLOCK = re.compile(
+    re.escape(MARKER) + r"\s*```python\n(.*?)```(?:\s*" + re.escape(PRINTS) + r"\s*```text\n(.*?)```)?", re.S
+)
+#: a figure in a snippet's comment (a parameter count, a difference): it must be printed and shown instead
+_FIGURE_COMMENT = re.compile(r"#.*(\d[\d,.]*\s*(?:[KMB] )?params|\b0\.0\b|\d{1,3}(?:,\d{3})+)")
 _FENCE = re.compile(r"^(```|~~~)")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _CODE_SPAN = re.compile(r"`[^`]*`")
@@ -46,12 +53,27 @@ def _rel(page: Path) -> str:
     return page.relative_to(ROOT).as_posix()
 
 
-def _snippets() -> list[tuple[str, int, str]]:
+def _snippets() -> list[tuple[str, int, str, str]]:
+    """(page, index, code, what the page says it prints: "" when it says nothing)."""
     found = []
     for page in PAGES:
-        for index, code in enumerate(_BLOCK.findall(page.read_text(encoding="utf-8"))):
-            found.append((_rel(page), index, code))
+        for index, (code, prints) in enumerate(_BLOCK.findall(page.read_text(encoding="utf-8"))):
+            found.append((_rel(page), index, code, prints))
     return found
+
+
+def missing_output(expected: str, output: str) -> list[str]:
+    """The lines of ``expected`` not found in ``output`` in order (each a substring of a later output line)."""
+    lines, at, missing = output.splitlines(), 0, []
+    for want in (w.strip() for w in expected.splitlines()):
+        if not want:
+            continue
+        hit = next((i for i in range(at, len(lines)) if want in lines[i]), None)
+        if hit is None:
+            missing.append(want)
+        else:
+            at = hit + 1
+    return missing
 
 
 def _prose_lines(text: str) -> list[tuple[int, str]]:
@@ -118,12 +140,35 @@ def test_readme_keeps_the_two_set_up_commands() -> None:
         assert command in text, f"README.md lost the set-up command {command!r}"
 
 
-@pytest.mark.parametrize(("page", "index", "code"), _snippets(), ids=[f"{p}:{i}" for p, i, _ in _snippets()])
-def test_snippet_runs_as_written(page: str, index: int, code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("page", "index", "code", "prints"), _snippets(), ids=[f"{p}:{i}" for p, i, _, _ in _snippets()]
+)
+def test_snippet_runs_as_written(page: str, index: int, code: str, prints: str, tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, f"{page} snippet {index} failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    assert missing_output(prints, proc.stdout) == [], f"{page} snippet {index} printed:\n{proc.stdout[-4000:]}"
+
+
+@pytest.mark.parametrize(
+    ("page", "index", "code"), [s[:3] for s in _snippets()], ids=[f"{p}:{i}" for p, i, _, _ in _snippets()]
+)
+def test_snippet_comments_state_no_figures(page: str, index: int, code: str) -> None:
+    figures = [line.strip() for line in code.splitlines() if _FIGURE_COMMENT.search(line)]
+    assert figures == [], f"{page} snippet {index}: print the figure and show it in a {PRINTS} block: {figures}"
+
+
+def test_the_output_check_can_fail() -> None:
+    out = "WrapPlan for X\n  groups: 3 + root\n0.0 0.0\n"
+    assert missing_output("WrapPlan for X\n\n0.0 0.0", out) == []
+    assert missing_output("0.0 0.0\nWrapPlan for X", out) == ["WrapPlan for X"]  # order matters
+    assert missing_output("0.0 1e-07", out) == ["0.0 1e-07"]
+    page = f"{MARKER}\n```python\nprint(1)\n```\n\n{PRINTS}\n```text\n1\n```\n{MARKER}\n```python\npass\n```\n"
+    assert _BLOCK.findall(page) == [("print(1)\n", "1\n"), ("pass\n", "")]
+    assert _FIGURE_COMMENT.search("model = build_model('glm4v')  # 141,536 params")
+    assert _FIGURE_COMMENT.search("print(a, b)  # 0.0 0.0")
+    assert not _FIGURE_COMMENT.search("dist.init_process_group('gloo', rank=0, world_size=1)  # torchrun sets these")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
