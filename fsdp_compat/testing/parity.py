@@ -235,7 +235,8 @@ def twin_step(
 def init_group(cfg: dict[str, Any], rank: int) -> Any:
     """Join the process group of a :func:`~fsdp_compat.testing.launch.run_ranks` rank on ``cfg["device"]`` (NCCL,
     one GPU a rank; else gloo, the CPU cores shared among the ranks; no ``device``: cpu); returns this rank's torch
-    device."""
+    device. A collective waits ``cfg["collective_timeout_s"]`` (default: the run's deadline) before it raises: a case
+    that shows ranks falling out of step ends there instead of at the deadline."""
     from datetime import timedelta
 
     import torch
@@ -253,7 +254,7 @@ def init_group(cfg: dict[str, Any], rank: int) -> Any:
         init_method=f"tcp://127.0.0.1:{cfg['port']}",
         rank=rank,
         world_size=cfg["world_size"],
-        timeout=timedelta(seconds=cfg["timeout_s"]),
+        timeout=timedelta(seconds=cfg.get("collective_timeout_s") or cfg["timeout_s"]),
     )
     return dev
 

@@ -126,12 +126,16 @@ def test_image_and_text_log_prob_pass_falls_out_of_step_without_the_alignment() 
 def test_ranks_that_stop_at_different_lengths_need_synced_gpus() -> None:
     """``synced_gpus=False``: the rank that stops first leaves generate while the others still all-gather their
     decode step's layers. The default (the case above) keeps them in step."""
-    run = _launch("glm4v", "auto", IMAGES, ["sample"], synced_gpus=False, timeout_s=90.0)
+    # the rank still decoding waits in an all-gather nobody joins: gloo gives up after 20 s (the run's deadline
+    # stays 90 s, for starting and generating on a loaded machine)
+    run = _launch("glm4v", "auto", IMAGES, ["sample"], synced_gpus=False, timeout_s=90.0, collective_timeout_s=20.0)
     assert not run.ok
     for r in run.ranks:  # the ranks were stopped inside the case, not while starting
         text = (r.error or "") + str(r.extra.get("log_tail", ""))
         assert f"rank {r.rank}: case 0:sample started" in text, text[-3000:]
-        assert MISMATCH in current_wording(text) or "timed out" in text, text[-3000:]
+        # the waiting rank's collective times out (or mismatches); the rank it waited for then loses its peer
+        seen = current_wording(text).lower()
+        assert any(sign.lower() in seen for sign in (MISMATCH, "timed out", "closed by peer", "reset by peer")), text
         # the rank with the fewest new tokens left generate; a rank with more was still decoding
         assert (f"rank {r.rank}: case 0:sample finished" in text) == (r.rank % 2 == 0), text[-3000:]
 
