@@ -11,6 +11,7 @@ repeats).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- runs-as-written -->"
@@ -120,8 +122,10 @@ def test_readme_keeps_the_two_set_up_commands() -> None:
 
 @pytest.mark.parametrize(("page", "index", "code"), _snippets(), ids=[f"{p}:{i}" for p, i, _ in _snippets()])
 def test_snippet_runs_as_written(page: str, index: int, code: str, tmp_path: Path) -> None:
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != TESTS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}  # tests/conftest.py put tests/ there: not for readers
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, f"{page} snippet {index} failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
 
