@@ -6,17 +6,26 @@
   world sizes 2-64, predicted crashes).
 - :mod:`benchmarks.startup`: interpreter start-up cost of the ``.pth`` hook and of ``import verl`` with it.
 
-This module holds only the shared table and number formatting, so importing it costs nothing.
+This module holds only the shared table and number formatting, so importing it costs nothing. It also puts the
+checkout's ``tests/`` first on ``sys.path``: the benchmarks use the tests' lab (``lab.guard_models``,
+``lab.transformers_smoke``), which the installed package does not ship; rank processes get it the same way, since
+they import a ``benchmarks`` module first.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fsdp_compat import units
 from fsdp_compat.policies import POLICY_ORDER  # one home: every policy, auto last
+
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 __all__ = ["POLICY_ORDER", "fmt_bytes", "fmt_ratio", "format_table", "fsdp2_unsharded_estimate"]
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks [policies|skeletons|startup ...] [-- extra args]`` (also ``fsdp-compat bench``).
+"""``python -m benchmarks [policies|skeletons|startup ...] [-- extra args]``, from a source checkout.
 
 With no name every benchmark runs, in the order skeletons, startup, policies (the longest last). Arguments after
 a single benchmark name go to that benchmark (``python -m benchmarks policies --models glm4v --steps 3``).

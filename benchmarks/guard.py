@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lab.guard_models import GuardModel
+
 from benchmarks import fmt_bytes, fmt_ratio, format_table
-from fsdp_compat.testing.guard_models import GuardModel
 
 MODELS = {
     "glm4v": ("glm4v", ["position_embedding"]),
@@ -85,12 +86,12 @@ def _bench_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
     import torch
     import torch.distributed as dist
+    from lab.guard_models import apply_plan_without
     from torch.distributed.device_mesh import init_device_mesh
 
     from benchmarks.policies import TRACKER, _install_instrumentation, _param_groups
     from fsdp_compat.apply import apply_fsdp2
     from fsdp_compat.guard import ENV_GUARD, guard_of
-    from fsdp_compat.testing.guard_models import apply_plan_without
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     world = cfg["world_size"]

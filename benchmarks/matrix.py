@@ -71,15 +71,15 @@ def _causal(config_cls: str, model_cls: str, **overrides: Any) -> Callable[[], A
 
 def _zoo(name: str) -> Callable[[], Any]:
     def build() -> Any:
-        from fsdp_compat.testing.zoo import _BUILDERS
+        from fsdp_compat.testing.zoo import builder
 
-        return _BUILDERS[name]()
+        return builder(name)()
 
     return build
 
 
 def _gemma4() -> Any:
-    from fsdp_compat.testing.transformers_smoke import _gemma4
+    from lab.transformers_smoke import _gemma4
 
     return _gemma4()
 
@@ -443,10 +443,10 @@ def _short(exc: BaseException) -> str:
 def matrix_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """Every (model, rule) cell of ``cfg["models"]`` x ``cfg["rules"]`` on this rank; results in ``extra``."""
     import torch
+    from lab.transformers_smoke import init_gloo
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.analysis import find_raw_reads
-    from fsdp_compat.testing.transformers_smoke import init_gloo
 
     init_gloo(cfg, rank)
     world = cfg["world_size"]

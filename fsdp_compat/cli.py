@@ -1,4 +1,4 @@
-"""``fsdp-compat``: plan (explain a wrap plan), smoke (prove the fix on 2 CPU ranks), doctor, bench."""
+"""``fsdp-compat``: plan (explain a wrap plan), smoke (prove the fix on 2 CPU ranks), doctor."""
 
 from __future__ import annotations
 
@@ -122,19 +122,6 @@ def _cmd_doctor(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError:
-        print(
-            "fsdp-compat bench runs the benchmarks/ folder of a source checkout: run it from the repository root "
-            "(python -m benchmarks)",
-            file=sys.stderr,
-        )
-        return 2
-    return int(bench_main(args.rest) or 0)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-compat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,10 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="installed frameworks, what is patched, whether activation is on")
     doctor.set_defaults(func=_cmd_doctor)
-
-    bench = sub.add_parser("bench", help="the benchmarks (from a source checkout)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

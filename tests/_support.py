@@ -1,9 +1,9 @@
 """What the test modules share: where the distributed tests run, and the framework a stack folder needs.
 
 Importable as ``_support`` from every test module: pytest (``prepend`` import mode, the default) puts the folder of
-``tests/conftest.py``, which has no ``__init__.py``, on ``sys.path`` before it collects anything; the rank
-processes get ``tests/`` on ``PYTHONPATH`` from the launcher's callers. Test modules import settings from here,
-never from ``conftest`` (pytest's own module, which it may import under another name).
+``tests/conftest.py``, which has no ``__init__.py``, on ``sys.path`` before it collects anything; tests/conftest.py
+puts ``tests/`` on ``PYTHONPATH`` for every process a test starts. Test modules import settings from here, never from
+``conftest`` (pytest's own module, which it may import under another name).
 
 ``FSDP_COMPAT_TEST_DEVICE=cuda`` (set by the tox ``-gpu`` factor) runs the distributed tests with NCCL on every
 visible GPU; tests/conftest.py makes a missing CUDA a usage error, never a skip.

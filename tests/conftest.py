@@ -7,13 +7,25 @@ visible GPU; without CUDA that is a failure, never a skip.
 A test whose ``skipif`` condition holds at collection (it needs another framework release, e.g. verl's
 ``_select_fsdp2_wrap_targets`` on verl 0.7.0) does not apply to this environment: it is deselected, not skipped,
 and the summary lists each one with its reason, so a skip in a report always means something went wrong.
+
+This folder goes first on ``PYTHONPATH`` in ``os.environ`` as soon as pytest imports this file, so every process a
+test starts (rank processes of ``fsdp_compat.testing.launch.run_ranks`` included) can import the test lab
+(``lab.*``, tests/lab/) and ``_support``; a test that sets the ranks' ``PYTHONPATH`` itself keeps the inherited
+entries after its own.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from _support import DEVICE, WORLD_SIZE
+
+TESTS = str(Path(__file__).resolve().parent)
+_inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != TESTS]
+os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, *_inherited])
 
 __all__ = ["DEVICE", "WORLD_SIZE"]  # still importable from here for now; test modules import them from _support
 

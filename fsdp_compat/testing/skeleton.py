@@ -23,12 +23,12 @@ _AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoMod
 
 def build_skeleton(spec: str | Path) -> nn.Module:
     """A zoo name, a ``config.json`` path, or a folder holding one → that model on the meta device."""
-    from fsdp_compat.testing.zoo import _BUILDERS, ZOO
+    from fsdp_compat.testing.zoo import ZOO, builder
 
     text = str(spec)
     if text in ZOO:
         with torch.device("meta"):
-            return _BUILDERS[text]()
+            return builder(text)()
     path = Path(text).expanduser()
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():

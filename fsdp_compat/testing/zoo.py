@@ -21,7 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VISION_ZOO", "VLM_VARIANTS", "ZOO", "ZooModel", "build_model", "is_vlm", "make_batch", "zoo_names"]
+__all__ = [
+    "VISION_ZOO",
+    "VLM_VARIANTS",
+    "ZOO",
+    "ZooModel",
+    "build_model",
+    "builder",
+    "is_vlm",
+    "make_batch",
+    "zoo_names",
+]
 
 
 @dataclass(frozen=True)
@@ -619,6 +629,17 @@ def _check_name(name: str) -> None:
         from fsdp_compat.errors import FsdpCompatError
 
         raise FsdpCompatError(f"unknown zoo model {name!r}; choose one of: {', '.join([*ZOO, *VISION_ZOO])}")
+
+
+def builder(name: str) -> Callable[[], nn.Module]:
+    """The constructor of zoo model ``name`` (:data:`ZOO` or :data:`VISION_ZOO`) as it is: it builds on the default
+    device (under ``torch.device("meta")``: a skeleton, no weights) and sets no seed, dtype or mode;
+    :func:`build_model` is the seeded, fp32, dropout-free model."""
+    if name not in _BUILDERS:
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"unknown zoo model {name!r}; choose one of: {', '.join([*ZOO, *VISION_ZOO])}")
+    return _BUILDERS[name]
 
 
 def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:

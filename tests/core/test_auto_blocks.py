@@ -9,11 +9,12 @@ decoder's own gradients and post-step parameters ``== 0.0``. Not 0.0 everywhere 
 every decoder layer's cross-attention and the embedding table is tied: FSDP2's hooks change the order in which
 autograd sums those several consumers' gradients (a reordered sum, as with T5: within the 1e-6 relative this test
 asserts, not 0.0), which AdamW's first step magnifies on near-zero gradients. The rank routine lives here
-(the ranks import this file with ``tests/`` on ``PYTHONPATH``).
+(the ranks import this file with ``tests/core/`` first on ``PYTHONPATH``, then the inherited ``tests/``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,10 @@ def dp_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     step 1, the decoder's own gradients and parameters) and ``rel`` (relative, everything, both steps)."""
     import copy
 
+    from lab.transformers_smoke import init_gloo
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat import apply_fsdp2
-    from fsdp_compat.testing.transformers_smoke import init_gloo
 
     init_gloo(cfg, rank)
     world = cfg["world_size"]
@@ -137,7 +138,7 @@ def test_a_model_without_repeated_blocks_still_raises() -> None:
 def test_auto_trains_at_exact_data_parallel_parity(name: str) -> None:
     result = run_ranks(
         "test_auto_blocks:dp_rank", {"model": name, "steps": 2}, world_size=2, timeout_s=240,
-        env={"PYTHONPATH": str(TESTS)},
+        env={"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ["PYTHONPATH"]])},
     )  # fmt: skip
     result.raise_for_error()
     for rank in result.ranks:

@@ -52,6 +52,15 @@ def test_bad_input_exits_2_with_the_fix(capsys: pytest.CaptureFixture) -> None:
     assert "Its module classes are:" in capsys.readouterr().err
 
 
+def test_the_commands_are_plan_smoke_doctor(capsys: pytest.CaptureFixture) -> None:
+    """The installed CLI needs nothing from a checkout: the benchmarks run as ``python -m benchmarks`` there."""
+    choices = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
+    assert sorted(choices) == ["doctor", "plan", "smoke"]
+    with pytest.raises(SystemExit) as exc:
+        main(["bench"])
+    assert exc.value.code == 2 and "invalid choice: 'bench'" in capsys.readouterr().err
+
+
 def test_doctor_runs(capsys: pytest.CaptureFixture) -> None:
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out

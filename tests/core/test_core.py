@@ -187,7 +187,7 @@ def test_legacy_crashes_where_auto_trains(name: str, crash: str) -> None:
 def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
     result = run_training(
         name, "fsdp_compat.testing.wraps:core_auto", steps=3, timeout_s=300, device=DEVICE, world_size=WORLD_SIZE,
-        probe="fsdp_compat.testing.guard_models:guard_report",
+        probe="lab.guard_models:guard_report",
     )
     result.raise_for_error()
     for rank in result.ranks:  # the guard is on and must stay idle: the static plan alone carries every zoo model
@@ -205,7 +205,7 @@ def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
 
 def test_lifted_group_trains_glm4v_with_exact_parity() -> None:
     result = run_training(
-        "glm4v", "fsdp_compat.testing.wraps:core_auto_lift_all", steps=3, timeout_s=300, device=DEVICE,
+        "glm4v", "lab.wraps:auto_lift_all", steps=3, timeout_s=300, device=DEVICE,
         world_size=WORLD_SIZE,
     )
     result.raise_for_error()

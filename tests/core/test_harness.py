@@ -1,7 +1,7 @@
 """The distributed harness detects parity, real crashes, failing and hanging ranks, and leaves no process.
 
-These use hand-written ``fully_shard`` wraps from ``fsdp_compat.testing.wraps`` (``_test_*``), so they check
-the harness independently of fsdp-compat's planner.
+These use hand-written ``fully_shard`` wraps from ``lab.wraps``, so they check the harness independently of
+fsdp-compat's planner.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fsdp_compat.testing.launch import RankResult, RunResult
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
-W = "fsdp_compat.testing.wraps:"
+W = "lab.wraps:"
 
 
 def _gone(pid: int) -> bool:
@@ -33,7 +33,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.timeout(180)
 def test_glm4v_parity_with_safe_wrap() -> None:
     result = run_training(
-        "glm4v", W + "_test_layers_and_input", steps=3, probe=W + "_test_probe", env={"FSDP_COMPAT_TEST_MARK": "m1"}
+        "glm4v", W + "layers_and_input", steps=3, probe=W + "probe", env={"FSDP_COMPAT_TEST_MARK": "m1"}
     )
     result.raise_for_error()
     print(
@@ -59,7 +59,7 @@ def test_glm4v_parity_with_safe_wrap() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_glm4v_legacy_like_wrap_reproduces_grid_sampler_crash() -> None:
-    result = run_training("glm4v", W + "_test_every_embedding", steps=1)
+    result = run_training("glm4v", W + "every_embedding", steps=1)
     assert not result.ok
     assert result.error is not None and result.error.startswith("rank ")
     assert GRID_SAMPLER_CRASH in result.error
@@ -76,7 +76,7 @@ def test_glm4v_legacy_like_wrap_reproduces_grid_sampler_crash() -> None:
 @pytest.mark.timeout(120)
 def test_failing_rank_reported_fast() -> None:
     t = time.monotonic()
-    result = run_training("qwen2", W + "_test_raise_on_rank1", steps=2, timeout_s=90)
+    result = run_training("qwen2", W + "raise_on_rank1", steps=2, timeout_s=90)
     elapsed = time.monotonic() - t
     print(f"failing rank reported after {elapsed:.1f}s")
     assert not result.ok
@@ -93,7 +93,7 @@ def test_failing_rank_reported_fast() -> None:
 @pytest.mark.timeout(120)
 def test_hanging_rank_times_out_and_leaves_no_process() -> None:
     t = time.monotonic()
-    result = run_training("qwen2", W + "_test_hang_on_rank1", steps=1, timeout_s=20)
+    result = run_training("qwen2", W + "hang_on_rank1", steps=1, timeout_s=20)
     elapsed = time.monotonic() - t
     assert not result.ok
     assert "timed out after 20s" in (result.ranks[1].error or "")
@@ -104,7 +104,7 @@ def test_hanging_rank_times_out_and_leaves_no_process() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_tied_parameter_group_recorded_with_parity() -> None:
-    result = run_training("glm4v-tied", W + "_test_tied_pair", steps=2)
+    result = run_training("glm4v-tied", W + "tied_pair", steps=2)
     result.raise_for_error()
     assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
     sets = result.ranks[0].extra["fsdp_group_sets"]
@@ -114,7 +114,7 @@ def test_tied_parameter_group_recorded_with_parity() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_world_size_one() -> None:
-    result = run_training("qwen2", W + "_test_root_only", world_size=1, steps=2)
+    result = run_training("qwen2", W + "root_only", world_size=1, steps=2)
     result.raise_for_error()
     assert len(result.ranks) == 1
     assert result.max_rel_grad_diff <= 1e-6 and result.max_rel_param_diff <= 1e-6

@@ -91,8 +91,8 @@ def test_split_root_trains_with_exact_parity(name: str) -> None:
     """2 gloo ranks, a different batch each, ``Auto(split_root_min_bytes=0)``: gradients and post-AdamW parameters
     equal the single-process reference exactly (0.0), and the run-time guard stays idle."""
     result = run_training(
-        name, "fsdp_compat.testing.wraps:core_auto_split_all", steps=3, timeout_s=300, device=DEVICE,
-        world_size=WORLD_SIZE, probe="fsdp_compat.testing.guard_models:guard_report",
+        name, "lab.wraps:auto_split_all", steps=3, timeout_s=300, device=DEVICE,
+        world_size=WORLD_SIZE, probe="lab.guard_models:guard_report",
     )
     result.raise_for_error()
     for rank in result.ranks:

@@ -76,7 +76,7 @@ def test_rank_without_images_crashes_then_trains_exactly(model: str) -> None:
 def test_tower_without_groups_of_its_own_still_falls_out_of_step() -> None:
     """The whole vision tower in the root group: no vision all-gather to skip, but the root reduce-scatters only the
     parameters that got a gradient, so the image-less rank's reduce-scatter is smaller. Aligned, it is exact."""
-    wrap = "fsdp_compat.testing.wraps:core_auto_text_layers"
+    wrap = "lab.wraps:auto_text_layers"
     off = _run("glm4v", IMAGE_AND_TEXT, mode="off", timeout_s=60.0, wrap=wrap)
     _assert_mismatch(off)
     assert "reduce_scatter" in "\n".join(r.error or "" for r in off.ranks)

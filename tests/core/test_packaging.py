@@ -1,4 +1,5 @@
-"""The wheel ships ``fsdp_compat.pth`` and ``fsdp_compat.adapters``; the start-up hook is cheap and safe.
+"""The wheel ships ``fsdp_compat.pth``, ``fsdp_compat.adapters`` and the testing kit, not the test lab; the start-up
+hook is cheap and safe; ``fsdp-compat plan`` runs from the installed wheel alone.
 
 Builds the wheel (and an editable wheel) from a copy of the source tree and installs each into a throwaway
 venv made with ``--without-pip``; pip runs from this interpreter (``pip --python``), with PYTHONPATH removed.
@@ -25,6 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("fsdp_compat", "adapters", "src_pth", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE")
 HEAVY = ("torch", "wrapt", "packaging", "logging", "fsdp_compat.activation", "verl", "skyrl", "skyrl_train")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_COMPAT", "PYTHON"))}
+#: ``fsdp_compat.testing``, the public kit: the zoo, skeletons, rank launching, parity, the smoke tables
+KIT = ("__init__", "zoo", "skeleton", "launch", "parity", "smoke", "core_smoke", "verl_smoke", "skyrl_smoke", "wraps")
+#: the project's own test lab (tests/lab/, imported as ``lab``): never in the wheel
+LAB = ("read_corpus", "guard_models", "checkpoints", "transformers_smoke", "peft_glm4v")
 
 needs_setuptools = pytest.mark.skipif(
     importlib.util.find_spec("setuptools") is None, reason="building needs setuptools in this environment"
@@ -107,6 +112,47 @@ def test_wheel_ships_the_pth_at_its_root_and_the_adapters(built: dict[str, Path]
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)  # the Apache-2.0 text
     assert pth.count("\n") == 1 and pth.startswith("import ")  # one executable line, as site.py requires
     assert "install()" in pth and "except Exception" in pth
+
+
+def test_wheel_holds_the_kit_and_no_test_lab(built: dict[str, Path]) -> None:
+    with zipfile.ZipFile(built["wheel"]) as whl:
+        names = set(whl.namelist())
+    kit = {n.removeprefix("fsdp_compat/testing/") for n in names if n.startswith("fsdp_compat/testing/")}
+    assert kit == {f"{module}.py" for module in KIT}, sorted(kit)
+    shipped = sorted(n for n in names if n.endswith(".py") and Path(n).stem in LAB)
+    assert shipped == [], f"test-only modules in the wheel: {shipped}"
+    assert not [n for n in names if n.split("/")[0] in ("lab", "tests", "benchmarks")], sorted(names)
+
+
+def test_plan_of_a_zoo_model_runs_from_the_installed_wheel(built: dict[str, Path], tmp_path: Path) -> None:
+    """``fsdp-compat plan glm4v`` in a venv holding only the wheel (torch and transformers from this interpreter's
+    site-packages on a path line after the venv's own), run from ``/``: no checkout, tests or benchmarks on the path.
+    Every fsdp_compat module it loads comes from the wheel."""
+    python = _venv(tmp_path / "venv", built["wheel"])
+    site_dir = next((tmp_path / "venv").glob("lib/python*/site-packages"))
+    deps = {str(Path(importlib.util.find_spec(name).origin).parents[1]) for name in ("torch", "transformers")}
+    (site_dir / "zz_torch.pth").write_text("".join(f"{d}\n" for d in sorted(deps)))
+    script = tmp_path / "venv" / "bin" / "fsdp-compat"  # the console script pip wrote
+    done = _py(
+        python,
+        f"""
+        import runpy, sys
+        from pathlib import Path
+        sys.argv = ["fsdp-compat", "plan", "glm4v"]
+        try:
+            runpy.run_path({str(script)!r}, run_name="__main__")
+        except SystemExit as exc:
+            print("EXIT", exc.code)
+        site = Path({str(site_dir)!r}).resolve()
+        files = [m.__file__ for n, m in list(sys.modules.items()) if n.split(".")[0] == "fsdp_compat"]
+        print("OUTSIDE", sorted(f for f in files if f and not Path(f).resolve().is_relative_to(site)))
+        print("FOREIGN", sorted(n for n in sys.modules if n.split(".")[0] in ("lab", "benchmarks", "_support")))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("WrapPlan for Glm4vForConditionalGeneration (policy auto;"), done.stdout[:500]
+    assert re.search(r"^\s+auto\s.*\sok$", done.stdout, re.M), done.stdout  # the policies table's auto row
+    assert done.stdout.splitlines()[-3:] == ["EXIT 0", "OUTSIDE []", "FOREIGN []"], done.stdout[-2000:]
 
 
 def test_sdist_carries_the_pth_source_so_its_wheel_has_the_hook(

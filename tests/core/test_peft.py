@@ -14,13 +14,13 @@ import math
 
 import pytest
 from _support import WORLD_SIZE
+from lab.peft_glm4v import PEFT_CONFIGS, build_peft_glm4v
 
 from fsdp_compat.plan import plan_wrap
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH
 from fsdp_compat.testing.launch import run_ranks
-from fsdp_compat.testing.peft_glm4v import PEFT_CONFIGS, build_peft_glm4v
 
-ROUTINE = "fsdp_compat.testing.peft_glm4v:peft_rank"
+ROUTINE = "lab.peft_glm4v:peft_rank"
 TABLE = "base_model.model.model.visual.embeddings.position_embedding"
 CONFIGS = sorted(PEFT_CONFIGS)
 

@@ -13,6 +13,7 @@ punctuation dropped, spaces to hyphens, ``-1``, ``-2`` for repeats).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- runs-as-written -->"
@@ -144,8 +146,10 @@ def test_readme_keeps_the_two_set_up_commands() -> None:
     ("page", "index", "code", "prints"), _snippets(), ids=[f"{p}:{i}" for p, i, _, _ in _snippets()]
 )
 def test_snippet_runs_as_written(page: str, index: int, code: str, prints: str, tmp_path: Path) -> None:
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != TESTS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(parts)}  # tests/conftest.py put tests/ there: not for readers
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, f"{page} snippet {index} failed:\n{code}\n--- stderr ---\n{proc.stderr[-4000:]}"
     assert missing_output(prints, proc.stdout) == [], f"{page} snippet {index} printed:\n{proc.stdout[-4000:]}"

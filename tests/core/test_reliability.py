@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 import torch
 from _support import DEVICE, WORLD_SIZE
+from lab.checkpoints import Phase, load_full, run_phases
 from torch import nn
 
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.plan import plan_wrap, select_wrap_targets, unsafe_reads
 from fsdp_compat.policies import POLICY_NAMES
-from fsdp_compat.testing.checkpoints import Phase, load_full, run_phases
 from fsdp_compat.testing.parity import run_training
 
 STEPS, SAVE_STEP = 4, 2
@@ -180,7 +180,7 @@ def test_already_wrapped_model_is_refused_and_left_unchanged(ckpt: tuple[Path, d
 @pytest.mark.timeout(300)
 def test_mixed_precision_and_cpu_offload_pass_through_apply_fsdp2() -> None:
     """glm4v, 2 ranks, auto plan with MixedPrecisionPolicy(bf16) + CPUOffloadPolicy: trains, close to fp32."""
-    w = "fsdp_compat.testing.checkpoints:"
+    w = "lab.checkpoints:"
     run = run_training(
         "glm4v", w + "auto_bf16_cpu_offload", steps=2, probe=w + "dtype_probe", world_size=WORLD_SIZE,
         device=DEVICE, timeout_s=240,

@@ -11,7 +11,7 @@ from torch import nn
 
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.testing.skeleton import REFERENCE_NAMES, build_skeleton, reference_skeleton
-from fsdp_compat.testing.zoo import ZOO, build_model, make_batch
+from fsdp_compat.testing.zoo import VISION_ZOO, ZOO, build_model, builder, make_batch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,6 +131,17 @@ def test_t5_shared_parameter_and_untied_head() -> None:
 def test_unknown_name() -> None:
     with pytest.raises(FsdpCompatError, match="glm4v"):
         build_model("nope")
+    with pytest.raises(FsdpCompatError, match="glm4v"):
+        builder("nope")
+
+
+def test_builder_is_the_unseeded_constructor_of_every_zoo_model() -> None:
+    """The public accessor ``fsdp-compat plan NAME`` uses (through ``build_skeleton``): on meta, no weights."""
+    for name in [*ZOO, *VISION_ZOO]:
+        assert callable(builder(name)), name
+    with torch.device("meta"):
+        model = builder("glm4v")()
+    assert type(model).__name__ == "Glm4vForConditionalGeneration" and all(p.is_meta for p in model.parameters())
 
 
 # --- skeletons ----------------------------------------------------------------------------------------------
@@ -212,7 +223,7 @@ def test_the_guard_report_sees_a_rescue() -> None:
 
     result = run_training(
         "glm4v", "fsdp_compat.testing.wraps:core_legacy", steps=2, timeout_s=120, device=DEVICE,
-        world_size=WORLD_SIZE, probe="fsdp_compat.testing.guard_models:guard_report",
+        world_size=WORLD_SIZE, probe="lab.guard_models:guard_report",
     )
     result.raise_for_error()
     for rank in result.ranks:

@@ -17,7 +17,7 @@ from fsdp_compat.guard import ENV_AGREE_S, ENV_GUARD, guard_enabled, guard_of, i
 from fsdp_compat.testing.launch import RunResult
 from fsdp_compat.testing.parity import run_training
 
-MODELS = "fsdp_compat.testing.guard_models"
+MODELS = "lab.guard_models"
 OFF = {ENV_GUARD: "off"}
 ON = {ENV_GUARD: None}  # unset: the default
 MIXED = "got mixed torch.Tensor and DTensor"
@@ -223,7 +223,7 @@ def test_install_is_idempotent_and_the_switch_turns_it_off(monkeypatch: pytest.M
 
 # ------------------------------------------------------------------------- data-parallel: each rank its own batch
 
-DP = "fsdp_compat.testing.guard_models:dp_rank"
+DP = "lab.guard_models:dp_rank"
 STOOD_ASIDE = "fsdp-compat: run-time guard disabled"
 
 

@@ -16,7 +16,7 @@ from _support import WORLD_SIZE
 from fsdp_compat.guard import ENV_GUARD
 from fsdp_compat.testing.launch import run_ranks
 
-MODELS = "fsdp_compat.testing.guard_models"
+MODELS = "lab.guard_models"
 STOOD_ASIDE = "fsdp-compat: run-time guard disabled"
 CHECKS = 17  # every check of guard_models.contract_rank (a check lost on the way must show up here)
 

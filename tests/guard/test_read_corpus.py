@@ -1,6 +1,6 @@
 """An adversarial corpus of raw-read patterns, run for real data-parallel on 2 gloo ranks, each its own batch.
 
-Each pattern (``fsdp_compat.testing.read_corpus``) reads an embedding's weight outside the embedding's forward in
+Each pattern (``lab.read_corpus``) reads an embedding's weight outside the embedding's forward in
 its own way. Every pattern is trained for 2 SGD steps, rank r on its own token ids, against an unsharded twin that
 runs every rank's batch with loss / 2 (the mean loss) before each step, under three settings, all in one spawned
 process per rank (the harness's ``run_ranks``: one deadline, tracebacks reported):
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from lab.read_corpus import PATTERNS, Base, worse
 
 from fsdp_compat.plan import plan_wrap
 from fsdp_compat.testing.launch import current_wording, run_ranks
-from fsdp_compat.testing.read_corpus import PATTERNS, Base, worse
 
-ROUTINE = "fsdp_compat.testing.read_corpus:corpus_rank"
+ROUTINE = "lab.read_corpus:corpus_rank"
 SETTINGS = (("auto", True), ("auto", False), ("legacy", False))
 CRASH = "got mixed torch.Tensor and DTensor"
 # Reads a static analysis cannot see: a module reached through a weak reference, an eval'd string.

@@ -64,11 +64,11 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """Shard zoo model ``cfg["model"]`` through LLaMA-Factory 0.9.5's ``fsdp2`` plugin and train it exactly against
     one process. ``extra``: the groups, whether the engine's ``prepare_model`` is fsdp-compat's, the differences."""
     _torchrun_env(cfg, rank)
+    from lab.transformers_smoke import fsdp_groups
     from llamafactory.v1.accelerator.interface import DistributedInterface
     from llamafactory.v1.config.arg_utils import PluginConfig
     from llamafactory.v1.plugins.trainer_plugins.distributed.hub import DistributedPlugin
 
-    from fsdp_compat.testing.transformers_smoke import fsdp_groups
     from fsdp_compat.testing.zoo import build_model
 
     interface = DistributedInterface()
@@ -105,7 +105,8 @@ def main_engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> N
 
     _torchrun_env(cfg, rank)
     main = _install_main_shape()
-    from fsdp_compat.testing.transformers_smoke import fsdp_groups
+    from lab.transformers_smoke import fsdp_groups
+
     from fsdp_compat.testing.zoo import build_model
 
     model = build_model(cfg["model"], seed=0)

@@ -27,16 +27,16 @@ fsdp_module = require_framework(
 )
 
 from fsdp_compat.adapters import transformers as adapter  # noqa: E402
-
-from fsdp_compat.plan import plan_wrap  # noqa: E402
-from fsdp_compat.testing.launch import current_wording  # noqa: E402
-from fsdp_compat.testing.transformers_smoke import (  # noqa: E402
+from lab.transformers_smoke import (  # noqa: E402
     GLM4V_USER_PLAN,
     build_tiny,
     describe,
     run_native,
     save_tiny,
 )
+
+from fsdp_compat.plan import plan_wrap  # noqa: E402
+from fsdp_compat.testing.launch import current_wording  # noqa: E402
 from fsdp_compat.testing.zoo import build_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,8 +1,8 @@
 """Small models that read a parameter while its FSDP2 group is sharded, and wrap functions for the guard tests.
 
-The models are named to :func:`fsdp_compat.testing.parity.run_training` as ``"fsdp_compat.testing.guard_models:
-NAME"`` (the zoo resolves such names: an object with ``build()`` and ``batch(generator)``). Each reproduces one read
-pattern the run-time guard exists for:
+The models are named to :func:`fsdp_compat.testing.parity.run_training` as ``"lab.guard_models:NAME"`` (the zoo
+resolves such names: an object with ``build()`` and ``batch(generator)``). Each reproduces one read pattern the
+run-time guard exists for:
 
 - ``passed_embedding``: a child gets the embedding module as an argument and reads ``other.weight`` after the
   embedding's own forward (an output projection tied by passing the module).
@@ -170,10 +170,6 @@ def legacy(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     return _apply(model, fsdp_kwargs, "legacy")
 
 
-def auto(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
-    return _apply(model, fsdp_kwargs, "auto")
-
-
 def layers_only(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     return _apply(model, fsdp_kwargs, "layers-only")
 
@@ -251,14 +247,6 @@ def legacy_recommended_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> st
 
 def legacy_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     return _apply(model, _bf16(fsdp_kwargs), "legacy")
-
-
-def input_only_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
-    return _apply(model, _bf16(fsdp_kwargs), "input-only")
-
-
-def layers_only_bf16(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
-    return _apply(model, _bf16(fsdp_kwargs), "layers-only")
 
 
 # ------------------------------------------------------------------------------------------------------ probes

@@ -69,7 +69,7 @@ def peft_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """Rank routine: every (config, policy, guard) case of ``cfg["cases"]``; a case that raises is recorded."""
     import torch
 
-    from fsdp_compat.testing.read_corpus import run_cases
+    from lab.read_corpus import run_cases
 
     torch.set_num_threads(1)
     extra["results"] = run_cases(cfg, rank, lambda config, policy, guard, mesh: _case(config, policy, guard, mesh, cfg))

@@ -21,6 +21,7 @@ from typing import Any
 
 from fsdp_compat.testing.launch import RankResult, RunResult, run_ranks
 from fsdp_compat.testing.parity import Diff, _mixed_batch_counters, loss_scale, rank_batches, twin_step
+from fsdp_compat.testing.zoo import builder
 
 __all__ = [
     "GLM4V_USER_PLAN",
@@ -28,7 +29,6 @@ __all__ = [
     "build_tiny",
     "run_native",
     "save_tiny",
-    "tiny_batch",
     "tiny_batches",
     "train_native",
 ]
@@ -72,20 +72,11 @@ def _gemma4() -> Any:
     return Gemma4ForConditionalGeneration(config)
 
 
-def _zoo(name: str) -> Callable[[], Any]:
-    def build() -> Any:
-        from fsdp_compat.testing.zoo import _BUILDERS
-
-        return _BUILDERS[name]()
-
-    return build
-
-
 #: name -> (builder, transformers class name that loads the checkpoint, zoo batch name)
 TINY: dict[str, tuple[Callable[[], Any], str, str]] = {
     "gemma4": (_gemma4, "Gemma4ForConditionalGeneration", "qwen2"),
-    "glm4v": (_zoo("glm4v"), "Glm4vForConditionalGeneration", "glm4v"),
-    "qwen2": (_zoo("qwen2"), "Qwen2ForCausalLM", "qwen2"),
+    "glm4v": (builder("glm4v"), "Glm4vForConditionalGeneration", "glm4v"),
+    "qwen2": (builder("qwen2"), "Qwen2ForCausalLM", "qwen2"),
 }
 
 
@@ -108,13 +99,6 @@ def save_tiny(name: str, directory: str | os.PathLike[str], *, seed: int = 0) ->
     path = Path(directory) / name
     build_tiny(name, seed=seed).save_pretrained(path)
     return path
-
-
-def tiny_batch(name: str, *, seed: int = 0) -> dict[str, Any]:
-    """The zoo's batch for the model family (text rows, or GLM4V rows with two images)."""
-    from fsdp_compat.testing.zoo import make_batch
-
-    return make_batch(TINY[name][2], seed=seed)
 
 
 def tiny_batches(name: str, world_size: int, *, seed: int = 0, variants: list[str] | None = None) -> list[Any]:
