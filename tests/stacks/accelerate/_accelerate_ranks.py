@@ -27,10 +27,10 @@ from typing import Any
 
 from fsdp_compat.testing.parity import Diff, init_group, reference_backward
 
-__all__ = ["accelerate_rank"]
+__all__ = ["LogLines", "accelerate_env", "accelerate_rank", "build_fsdp2_accelerator", "fsdp_groups", "gpu_type_state"]
 
 
-class _Lines(logging.Handler):
+class LogLines(logging.Handler):
     """Keeps fsdp-compat's log lines of this rank (the activation line comes at ``import accelerate``)."""
 
     def __init__(self) -> None:
@@ -53,7 +53,7 @@ def fsdp_groups(model: Any) -> list[list[str]]:
     return list(groups.values())
 
 
-def _accelerate_env(cfg: dict[str, Any], rank: int) -> None:
+def accelerate_env(cfg: dict[str, Any], rank: int) -> None:
     """What a launcher sets and accelerate's CPU path reads (``get_cpu_distributed_information``)."""
     world = cfg["world_size"]
     os.environ.update(
@@ -62,15 +62,26 @@ def _accelerate_env(cfg: dict[str, Any], rank: int) -> None:
     )  # fmt: skip
 
 
+def gpu_type_state() -> Any:
+    """accelerate's ``PartialState`` built as a CPU job (gloo: the group exists already, :func:`init_group`; device
+    cpu; ``MULTI_CPU``), then its shared ``distributed_type`` set to ``MULTI_GPU``: the one change, so that an
+    ``Accelerator`` built afterwards (by the test, or by the HF Trainer with ``use_configured_state``) takes FSDP."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True)
+    assert state.distributed_type == DistributedType.MULTI_CPU and state.backend == "gloo", state
+    state.distributed_type = DistributedType.MULTI_GPU
+    return state
+
+
 def build_fsdp2_accelerator(cfg: dict[str, Any]) -> Any:
     """accelerate's ``Accelerator`` with ``FullyShardedDataParallelPlugin(fsdp_version=2)`` on the CPU gloo group (see
     the module docstring for the one field set on accelerate's shared state)."""
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    state = PartialState(cpu=True)  # gloo (the group exists already: init_group), device cpu, MULTI_CPU
-    assert state.distributed_type == DistributedType.MULTI_CPU and state.backend == "gloo", state
-    state.distributed_type = DistributedType.MULTI_GPU  # the one change: a GPU-type state, so FSDP is taken
+    gpu_type_state()
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",  # the Trainer's default with fsdp_version 2: _no_split_modules
@@ -92,10 +103,10 @@ def accelerate_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> No
     all ranks' batches with the mean loss (:func:`~fsdp_compat.testing.parity.reference_backward`). ``extra``: the
     groups, whether accelerate's bindings are fsdp-compat's, fsdp-compat's log lines, the mixed-batch counters,
     the losses and the worst differences (gradients after each backward, parameters after each step)."""
-    lines = _Lines()
+    lines = LogLines()
     logging.getLogger("fsdp_compat").addHandler(lines)
     extra["log"] = lines.lines  # filled as it goes: a failing rank reports what was logged until then
-    _accelerate_env(cfg, rank)
+    accelerate_env(cfg, rank)
     init_group(cfg, rank)  # gloo, with the run's timeout: a stuck collective fails instead of hanging
 
     import torch
