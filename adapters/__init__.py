@@ -1,7 +1,8 @@
 """Framework adapters, and their index: the little the start-up hook and ``fsdp-compat doctor`` must know.
 
-Each adapter module (``verl.py``, ``skyrl.py``, ``areal.py``, ``llamafactory.py``, ``transformers.py``) reads as its
-release table: for these versions, in these modules, this name becomes that function, and these repairs run.
+Each adapter module (``verl.py``, ``skyrl.py``, ``areal.py``, ``llamafactory.py``, ``transformers.py``,
+``accelerate.py``) reads as its release table: for these versions, in these modules, this name becomes that function,
+and these repairs run.
 Importing an adapter module activates it (that is how ``external_lib=fsdp_compat.adapters.verl`` works), so what
 must be known *before* that import lives here, in :data:`ADAPTERS`: per distribution the module whose import
 activates the adapter (the trigger) and the versions it supports. The ``.pth`` hook watches the triggers in every
@@ -79,6 +80,9 @@ ADAPTERS: dict[str, AdapterEntry] = {
     "llamafactory": AdapterEntry(
         "fsdp_compat.adapters.llamafactory",
         {"llamafactory": ("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2", ">=0.9.5,<0.10")},
+    ),
+    "accelerate": AdapterEntry(
+        "fsdp_compat.adapters.accelerate", {"accelerate": ("accelerate.utils.fsdp_utils", ">=1.15.0,<1.17")}
     ),
 }
 

@@ -45,10 +45,12 @@ KNOWN_RELEASES = {
     ("transformers", "transformers"): ["5.16.1", "5.17.0", "5.20.0", "5.22.0", "5.23.0", "5.24.0"],
     ("areal", "areal"): ["1.0.4"],
     ("llamafactory", "llamafactory"): ["0.9.5"],
+    ("accelerate", "accelerate"): ["1.15.0", "1.16.0"],
 }
 
 
-OUTSIDE = {"verl": "0.3.1", "skyrl-train": "0.4.0", "skyrl": "0.0.1", "transformers": "5.10.4", "areal": "1.0.3"}
+OUTSIDE = {"verl": "0.3.1", "skyrl-train": "0.4.0", "skyrl": "0.0.1", "transformers": "5.10.4", "areal": "1.0.3",
+           "accelerate": "1.14.0"}
 
 
 @pytest.mark.parametrize(("key", "distribution"), list(KNOWN_RELEASES))

@@ -1,0 +1,235 @@
+"""accelerate (``accelerate`` from PyPI, 1.15.x / 1.16.x): tiny GLM4V and Qwen2.5-VL through accelerate's own
+``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)).prepare(model, optimizer)`` (its
+``_prepare_fsdp2`` -> ``fsdp2_prepare_model``, the HF Trainer's and TRL's FSDP2 path), ``accelerator.backward`` and
+the prepared optimizer, on 2 gloo ranks in fresh interpreters.
+
+accelerate takes FSDP only on a GPU-type distributed state; the rank code (``_accelerate_ranks.py``, its docstring)
+builds accelerate's ``PartialState`` as a CPU job (gloo, CPU device) and sets its shared ``distributed_type`` to
+``MULTI_GPU`` before the ``Accelerator`` exists: nothing of accelerate is replaced or mocked.
+
+Rank 0 trains an image batch, rank 1 a text-only one. With ``FSDP_COMPAT=off`` the vision blocks' groups (accelerate
+gives every ``_no_split_modules`` block one) are all-gathered on rank 0 only and gloo aborts ("Received data size
+doesn't match expected size"); with fsdp-compat installed (the ``.pth`` hook patches ``fsdp2_prepare_model`` when
+accelerate is imported) both ranks equal one process training on both batches with the mean loss: gradients after
+each backward and parameters after each AdamW step ``== 0.0`` (fp32, 2 steps), with accelerate's own groups. Runs in
+the ``accelerate115`` / ``accelerate116`` tox envs (the only ones that collect this folder: a missing accelerate
+fails).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _support import require_framework
+from packaging.version import Version
+
+require_framework("accelerate", lambda: importlib.import_module("accelerate.utils.fsdp_utils"))
+
+from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+
+TESTS = Path(__file__).resolve().parent
+ACCELERATE = metadata.version("accelerate")
+MISMATCH = "Received data size doesn't match expected size"
+GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
+#: the modules that bind ``fsdp2_prepare_model`` by name (oracle: grep of accelerate 1.15.0 and 1.16.0)
+BINDINGS = ["accelerate.utils.fsdp_utils", "accelerate.utils", "accelerate.accelerator"]
+ACTIVATED = f"fsdp-compat: patched accelerate {ACCELERATE} (policy auto, activated by pth-hook)"
+PASSED = "FSDP2 groups below the root pass fsdp-compat's safety check (kept as they are)"
+ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None, "FSDP_COMPAT_GUARD": None}
+OFF = {**ON, "FSDP_COMPAT": "off"}
+#: accelerate's own selection for the zoo's VLMs (its rule, written here again): every ``_no_split_modules`` block,
+#: the untied input embedding, the tail ``[final norm, lm_head]`` (no final norm directly under ``model``: lm_head
+#: alone), the root. The vision position table (read raw by its parent) stays in the root.
+VLM_GROUPS = [
+    [""],
+    ["model.visual.blocks.0"],
+    ["model.visual.blocks.1"],
+    ["model.language_model.embed_tokens"],
+    ["model.language_model.layers.0"],
+    ["model.language_model.layers.1"],
+    ["lm_head"],
+]
+
+
+def run(model: str, variants: list[str], env: dict[str, str | None], **cfg: Any) -> RunResult:
+    return run_ranks(
+        "_accelerate_ranks:accelerate_rank",
+        {"model": model, "steps": 2, "variants": variants, "bindings": BINDINGS, **cfg},
+        world_size=2,
+        timeout_s=240,
+        env={"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p), **env},
+    )
+
+
+def _output(result: RunResult) -> str:
+    """Every rank's traceback and output tail (a rank that gloo aborts reports only its output)."""
+    return "\n".join(f"--- rank {r.rank} ---\n{r.error}\n{r.extra.get('log_tail', '')}" for r in result.ranks)
+
+
+def _assert_exact(result: RunResult) -> None:
+    """Ran on every rank (else every failing rank's traceback), patched, exact against one process."""
+    result.raise_for_error()
+    for rank in result.ranks:
+        extra = rank.extra
+        print(
+            f"rank {rank.rank}: Δgrad {extra['grad_diff']} Δparam {extra['param_diff']} losses {extra['losses']} "
+            f"mixed batches {extra['mixed_batches']} guard unshards {extra['guard_unshards']}"
+        )
+        assert extra["patched"] == [True, True, True]  # every by-name binding is fsdp-compat's
+        assert extra["log"][0].startswith(ACTIVATED), extra["log"]
+        assert extra["grad_diff"] == 0.0, extra["worst_grad_param"]  # NaN fails too
+        assert extra["param_diff"] == 0.0, extra["worst_param"]
+        assert extra["losses"] == extra["reference_losses"]  # each rank's loss is the reference's on its batch
+
+
+@pytest.mark.parametrize("model", ["glm4v", "qwen2.5-vl"])
+def test_rank_without_images_crashes_then_trains_exactly_through_accelerate(model: str) -> None:
+    """Rank 0 images, rank 1 text only. Unpatched: gloo aborts on the collective mismatch. Patched: accelerate's own
+    groups, rank 1 runs the vision tower on a zero dummy once per forward, and both ranks are exact (0.0)."""
+    variants = ["image", "text"]
+    off = run(model, variants, OFF)
+    assert not off.ok, "expected the collective mismatch, but it ran"
+    assert MISMATCH in _output(off), _output(off)[-4000:]
+    assert all(r.extra["patched"] == [False, False, False] for r in off.ranks if "patched" in r.extra)
+
+    on = run(model, variants, ON)
+    _assert_exact(on)
+    for rank in on.ranks:
+        assert rank.extra["groups"] == VLM_GROUPS  # accelerate's selection, kept
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in on.ranks] == [0, 2]  # one per forward, 2 steps
+    assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
+    assert [r.extra["guard_unshards"] for r in on.ranks] == [0, 0]  # accelerate's grouping is safe: guard idle
+    assert any(PASSED in line for line in on.ranks[0].extra["log"]), on.ranks[0].extra["log"]
+    assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
+
+
+def test_text_model_keeps_accelerates_groups() -> None:
+    """Qwen2: accelerate's layers, input embedding and ``[model.norm, lm_head]`` tail group, the same with and
+    without fsdp-compat, both exact; the adapter's check passes (the tail keeps its ``reshard_after_forward=False``)."""
+    off, on = run("qwen2", ["text", "text"], OFF), run("qwen2", ["text", "text"], ON)
+    off.raise_for_error()
+    _assert_exact(on)
+    assert off.ranks[0].extra["patched"] == [False, False, False] and off.ranks[0].extra["log"] == []
+    assert on.ranks[0].extra["groups"] == off.ranks[0].extra["groups"]
+    assert ["model.norm", "lm_head"] in on.ranks[0].extra["groups"]
+    assert off.ranks[0].extra["grad_diff"] == 0.0 and off.ranks[0].extra["param_diff"] == 0.0
+    assert any(PASSED in line for line in on.ranks[0].extra["log"]), on.ranks[0].extra["log"]
+
+
+def test_unsafe_wrap_list_is_kept_with_a_warning_and_the_guard_rescues_it() -> None:
+    """A user's ``transformer_cls_names_to_wrap`` that names ``Embedding`` makes accelerate give GLM4V's vision
+    position table a group of its own: unpatched, the grid_sampler crash. Patched, accelerate's grouping is kept as
+    it is (nothing is taken from a working job), one warning on rank 0 names the group and the raw read, and the
+    run-time guard unshards the table where it is read: exact, image|text ranks included."""
+    plugin = {"transformer_cls_names_to_wrap": ["Glm4vVisionBlock", "Glm4vTextDecoderLayer", "Embedding"]}
+    off = run("glm4v", ["image", "image"], OFF, plugin=plugin)
+    assert not off.ok and GRID_SAMPLER_CRASH in (off.exception or ""), off.error
+
+    on = run("glm4v", ["image", "text"], ON, plugin=plugin)
+    _assert_exact(on)
+    table = "model.visual.embeddings.position_embedding"
+    assert [table] in on.ranks[0].extra["groups"]  # accelerate's group, kept
+    warning = [line for line in on.ranks[0].extra["log"] if "safety check cannot show" in line]
+    assert len(warning) == 1 and f"{table} ({table}.weight read raw by model.visual.embeddings" in warning[0]
+    assert not any("safety check" in line for line in on.ranks[1].extra["log"])  # rank 0 only
+    assert all(r.extra["guard_unshards"] == 2 for r in on.ranks)  # one per forward (rank 1: in its dummy)
+
+
+def test_every_binding_is_patched_and_restored_exactly() -> None:
+    """In this process the ``.pth`` hook patched accelerate when it was imported: the definer and both by-name
+    importers hold fsdp-compat's function; unpatch puts the very original back everywhere; patch replaces it
+    again."""
+    import accelerate.accelerator  # noqa: F401  (loads the definer and both importers)
+    from fsdp_compat.adapters import accelerate as adapter
+
+    modules = [sys.modules[name] for name in BINDINGS]
+    patched = modules[0].fsdp2_prepare_model
+    assert getattr(patched, "__fsdp_compat__", False) and adapter.is_patched("accelerate")
+    assert all(m.fsdp2_prepare_model is patched for m in modules)
+    assert adapter.ADAPTER.activated_by == "pth-hook"
+    assert sorted(adapter.ADAPTER.describe()) == sorted(
+        f"{name}.fsdp2_prepare_model -> fsdp-compat (policy auto)" for name in BINDINGS
+    )
+    original = patched.__wrapped__
+    adapter.unpatch()
+    try:
+        assert all(m.fsdp2_prepare_model is original for m in modules) and not adapter.is_patched()
+        assert not hasattr(original, "__fsdp_compat__") and original.__module__ == "accelerate.utils.fsdp_utils"
+    finally:
+        assert adapter.patch() is True
+    again = modules[0].fsdp2_prepare_model
+    assert getattr(again, "__fsdp_compat__", False) and all(m.fsdp2_prepare_model is again for m in modules)
+
+
+def test_adapter_imported_after_accelerate_rebinds_the_importers() -> None:
+    """Without the ``.pth`` hook (``FSDP_COMPAT_AUTOLOAD=0``) accelerate loads unpatched; ``import
+    fsdp_compat.adapters.accelerate`` afterwards (a custom entry point) rebinds the definer and both importers."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import accelerate
+        names = {BINDINGS!r}
+        assert not any(getattr(sys.modules[n].fsdp2_prepare_model, "__fsdp_compat__", False) for n in names)
+        import fsdp_compat.adapters.accelerate as adapter
+        assert all(getattr(sys.modules[n].fsdp2_prepare_model, "__fsdp_compat__", False) for n in names)
+        print(adapter.ADAPTER.activated_by)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_COMPAT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "FSDP_COMPAT_AUTOLOAD": "0"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "import"
+    assert f"fsdp-compat: patched accelerate {ACCELERATE} (policy auto, activated by import)" in done.stderr
+
+
+def test_replacement_passes_every_argument_and_the_result_through() -> None:
+    """A grown signature (a new positional or keyword argument) reaches accelerate's own function unchanged, and its
+    result comes back; on an unsharded model the run-time layer is installed all the same (it finds the groups at
+    the first forward)."""
+    import torch
+    from fsdp_compat.adapters.accelerate import make_fsdp2_prepare_model
+
+    from fsdp_compat.guard import guard_of
+
+    calls = []
+
+    def fsdp2_prepare_model(accelerator: Any, model: Any, extra: Any = None, *, new_keyword: Any = None) -> Any:
+        calls.append((accelerator, model, extra, new_keyword))
+        return model
+
+    replacement = make_fsdp2_prepare_model(fsdp2_prepare_model, "auto")
+    model, accelerator = torch.nn.Linear(2, 2), object()
+    assert replacement(accelerator, model, "x", new_keyword=3) is model
+    assert replacement(accelerator, model=model) is model
+    assert calls == [(accelerator, model, "x", 3), (accelerator, model, None, None)]
+    assert guard_of(model) is not None
+
+
+def test_supported_range_is_the_releases_run_here() -> None:
+    """The index row (``>=1.15.0,<1.17``) covers the releases these tests ran on (1.15.0 and 1.16.0, tox envs
+    ``accelerate115`` / ``accelerate116``) and each has its table row; 1.14 (another tied-embedding tail group) and
+    1.17 (not released at the time of writing) are outside; the installed release is inside."""
+    from fsdp_compat.adapters import ADAPTERS
+    from fsdp_compat.adapters import accelerate as adapter
+
+    assert ADAPTERS["accelerate"].triggers == {"accelerate.utils.fsdp_utils": "accelerate"}
+    for raw in ("1.15.0", "1.16.0"):
+        assert adapter.ADAPTER.is_supported("accelerate", Version(raw))
+        row = adapter.ADAPTER.release_for("accelerate", Version(raw))
+        assert row is not None and row.importers == ("accelerate.utils", "accelerate.accelerator")
+    for raw in ("1.14.0", "1.17.0"):
+        assert not adapter.ADAPTER.is_supported("accelerate", Version(raw))
+    assert adapter.ADAPTER.is_supported("accelerate", Version(ACCELERATE))
