@@ -37,6 +37,8 @@ EXPECTED_ERRORS = (
     # use_remove_padding=True without flash-attn: verl's GLM4V text attention (glm4v_attn_forward) reads flash-attn
     # settings that verl/models/transformers/glm4v.py defines only when flash-attn (or an NPU) is available
     "name '_flash_use_top_left_mask' is not defined",
+    # verl 0.9.0's glm4v_attn_forward imports a function transformers 5 no longer has (0.9.1 uses apply_rotary_pos_emb)
+    "cannot import name 'apply_multimodal_rotary_pos_emb' from 'transformers.models.glm4v.modeling_glm4v'",
     # use_remove_padding=True with an fp32 MixedPrecisionPolicy: verl's GLM4V attention casts fp32 q/k/v to bf16 for
     # flash-attn (fa_peft_integration_check(target_dtype=torch.bfloat16)) and hands the bf16 output to the fp32 o_proj
     "to have the same dtype, but got: c10::BFloat16 != float",  # m1/m2 (CPU), mat1/mat2 (CUDA)
@@ -327,7 +329,10 @@ def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -
         if not any(text in line for text in EXPECTED_ERRORS):
             raise
         frame = traceback.extract_tb(exc.__traceback__)[-1]
-        where = f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
+        import sys  # the file relative to the sys.path entry it was imported from, e.g. verl/models/...
+
+        roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and frame.filename.startswith(p)), key=len)
+        where = f"{frame.filename[len(roots[-1]) if roots else 0:]}:{frame.lineno}"
         out.update(error=line, where=where, traceback=traceback.format_exc()[-3000:])
     return out
 
