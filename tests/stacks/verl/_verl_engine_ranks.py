@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -328,9 +329,7 @@ def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -
         line = traceback.format_exception_only(type(exc), exc)[-1].strip()
         if not any(text in line for text in EXPECTED_ERRORS):
             raise
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        import sys  # the file relative to the sys.path entry it was imported from, e.g. verl/models/...
-
+        frame = traceback.extract_tb(exc.__traceback__)[-1]  # where: relative to its sys.path entry (verl/...)
         roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and frame.filename.startswith(p)), key=len)
         where = f"{frame.filename[len(roots[-1]) if roots else 0:]}:{frame.lineno}"
         out.update(error=line, where=where, traceback=traceback.format_exc()[-3000:])
@@ -598,8 +597,6 @@ def verl_globals_restored() -> Iterator[None]:
     ``apply_monkey_patch`` replaces ``Glm4vTextAttention.forward`` (verl's ``glm4v_attn_forward``) and transformers'
     ``flash_attention._flash_attention_forward`` class- and module-wide, and the flash-attn stand-in binds names in
     verl's glm4v module. The next case of the launch then starts as a fresh process would."""
-    import sys
-
     from transformers.integrations import flash_attention
     from transformers.models.glm4v.modeling_glm4v import Glm4vTextAttention
 
