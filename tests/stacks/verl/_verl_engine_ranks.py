@@ -9,7 +9,9 @@ GLM4V position ids, per-sample ``multi_modal_inputs``); ``train_batch`` runs ``f
 ``optimizer_step``. Weight sync is ``engine.get_per_tensor_param()``.
 
 On CPU the only test-side piece is ``_verl_cpu_platform`` (verl's public platform registry) plus
-``VERL_ENGINE_DEVICE=cuda`` (verl's documented engine-device override: the FSDP engine registers cuda/npu only).
+``VERL_ENGINE_DEVICE=cuda`` (verl's documented engine-device override: the FSDP engine registers cuda/npu only);
+cases with ``flash_stand_in`` (``use_remove_padding=True``) also get a pure-torch stand-in for flash-attn's varlen
+kernel when flash-attn is not installed (:func:`install_flash_stand_in`).
 With ``device == "cuda"`` verl's own CUDA platform and NCCL are used and nothing is overridden.
 """
 
@@ -18,8 +20,11 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +35,14 @@ EXPECTED_ERRORS = (
     "got mixed torch.Tensor and DTensor",  # FSDP_COMPAT=off: the grid_sampler crash
     "Cannot access accelerator device when none is available",  # CPUOffloadPolicy(pin_memory=True) on CPU
     "Found no NVIDIA driver on your system",  # the same, with a CUDA build of torch (verl's pin, torch 2.11.0)
+    # use_remove_padding=True without flash-attn: verl's GLM4V text attention (glm4v_attn_forward) reads flash-attn
+    # settings that verl/models/transformers/glm4v.py defines only when flash-attn (or an NPU) is available
+    "name '_flash_use_top_left_mask' is not defined",
+    # verl 0.9.0's glm4v_attn_forward imports a function transformers 5 no longer has (0.9.1 uses apply_rotary_pos_emb)
+    "cannot import name 'apply_multimodal_rotary_pos_emb' from 'transformers.models.glm4v.modeling_glm4v'",
+    # use_remove_padding=True with an fp32 MixedPrecisionPolicy: verl's GLM4V attention casts fp32 q/k/v to bf16 for
+    # flash-attn (fa_peft_integration_check(target_dtype=torch.bfloat16)) and hands the bf16 output to the fp32 o_proj
+    "to have the same dtype, but got: c10::BFloat16 != float",  # m1/m2 (CPU), mat1/mat2 (CUDA)
 )
 
 
@@ -95,8 +108,10 @@ def sft_batch(world_size: int, seed: int = 0) -> Any:
     return collate(batch, positions, world_size)
 
 
-def collate(batch: dict[str, Any], positions: Any, world_size: int) -> Any:
-    """Right-padded rows (images optional per row) as verl's SFT dataset yields them, through verl's collator."""
+def collate(batch: dict[str, Any], positions: Any, world_size: int, remove_padding: bool = False) -> Any:
+    """Right-padded rows (images optional per row) as verl's SFT dataset yields them, through verl's collator.
+    ``remove_padding``: the ``use_remove_padding`` meta the trainer copies from the model config (verl's engine
+    then packs the micro-batch's rows into one (1, total tokens) row with (4, 1, total) position ids)."""
     import torch
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
@@ -120,7 +135,7 @@ def collate(batch: dict[str, Any], positions: Any, world_size: int) -> Any:
         )
     data = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
     meta = {
-        "use_remove_padding": False,
+        "use_remove_padding": remove_padding,
         "use_dynamic_bsz": False,
         "max_token_len_per_gpu": 4096,
         "micro_batch_size_per_gpu": len(samples),
@@ -156,7 +171,7 @@ def _worker(cfg: dict[str, Any], case: dict[str, Any]) -> Any:
     model = HFModelConfig(
         path=cfg[case.get("model_dir", "model_dir")],
         load_tokenizer=False,
-        use_remove_padding=False,
+        use_remove_padding=bool(case.get("remove_padding", False)),
         override_config={"attn_implementation": "eager"},
         **case.get("model", {}),
     )
@@ -314,7 +329,10 @@ def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -
         line = traceback.format_exception_only(type(exc), exc)[-1].strip()
         if not any(text in line for text in EXPECTED_ERRORS):
             raise
-        out.update(error=line, traceback=traceback.format_exc()[-3000:])
+        frame = traceback.extract_tb(exc.__traceback__)[-1]  # where: relative to its sys.path entry (verl/...)
+        roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and frame.filename.startswith(p)), key=len)
+        where = f"{frame.filename[len(roots[-1]) if roots else 0:]}:{frame.lineno}"
+        out.update(error=line, where=where, traceback=traceback.format_exc()[-3000:])
     return out
 
 
@@ -390,12 +408,12 @@ def p14_batch(kind: str, seed: int) -> dict[str, Any]:
     return batch
 
 
-def p14_sft_batch(kind: str, seed: int, world_size: int) -> Any:
+def p14_sft_batch(kind: str, seed: int, world_size: int, remove_padding: bool = False) -> Any:
     """:func:`p14_batch` with verl's 4-row GLM4V position ids, collated by verl's SFT collator."""
     from fsdp_compat.testing.verl_smoke import glm4v_position_ids
 
     batch = p14_batch(kind, seed)
-    return collate(batch, glm4v_position_ids(_p14_model(), batch), world_size)
+    return collate(batch, glm4v_position_ids(_p14_model(), batch), world_size, remove_padding)
 
 
 _P14: list[Any] = []
@@ -427,11 +445,16 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     tower's calls (a forward pre-hook on ``model.visual``: the input shape of each call) and the lr. Full gradients
     (as verl's ``optimizer_step`` receives them; its clip is a no-op at ``clip_grad`` 1e9) and post-AdamW parameters
     are gathered to every rank.
+
+    ``remove_padding``: verl's ``use_remove_padding=True`` (model config and batch meta). Recorded too: what the
+    model was called with (a forward pre-hook on the root: verl packs the micro-batch into one row) and, with
+    ``flash_stand_in``, each call of the stand-in for flash-attn's varlen kernel (how many sequences it was cut into).
     """
     import torch.distributed as dist
 
     world = dist.get_world_size()
     kinds = case["kinds"]
+    remove_padding = bool(case.get("remove_padding"))
     worker = _worker(cfg, case)
     losses: list[float] = []
     verl_loss = worker.loss_fn
@@ -445,9 +468,21 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     worker.reset()
     engine = worker.engine
     out["groups"] = fsdp_groups(engine.module)
+    inner = getattr(engine.module, "_fsdp_wrapped_module", engine.module)
+    out["gradient_checkpointing"] = bool(getattr(inner, "is_gradient_checkpointing", False))
+    out["compute_dtype"] = str(getattr(engine, "_autocast_dtype", None))
+    out["flash_attn"] = _has_flash_attn()
+    stand_in = case.get("flash_stand_in") and not out["flash_attn"]
+    attention = install_flash_stand_in() if stand_in else []
+    out["flash_stand_in"] = bool(stand_in)
     calls: list[list[int]] = []
     visual = engine.module.model.visual
     visual.register_forward_pre_hook(lambda _m, args: calls.append(list(args[0].shape)) and None)
+    model_inputs: list[dict[str, Any]] = []
+    out["vision_calls"], out["model_inputs"] = calls, model_inputs  # filled as it runs: a case that stops shows them
+    engine.module.register_forward_pre_hook(
+        lambda _m, _a, kw: model_inputs.append(_shapes(kw)) and None, with_kwargs=True
+    )
     out["steps"], grads, params = [], [], []
     step_optimizer = engine.optimizer_step
 
@@ -460,8 +495,19 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     engine.optimizer_step = optimizer_step
     for step in range(case.get("steps", 2)):
         lr, first = engine.optimizer.param_groups[0]["lr"], len(calls)
-        worker.train_batch(p14_sft_batch(kinds[rank % len(kinds)], _seed(step, rank), world))
-        out["steps"].append({"lr": lr, "loss": losses[-1], "vision_calls": calls[first:]})
+        batch = p14_sft_batch(kinds[rank % len(kinds)], _seed(step, rank), world, remove_padding)
+        out.setdefault("rows", []).append(int(batch["input_ids"].shape[0]))
+        seen, attended = len(model_inputs), len(attention)
+        worker.train_batch(batch)
+        out["steps"].append(
+            {
+                "lr": lr,
+                "loss": losses[-1],
+                "vision_calls": calls[first:],
+                "model_inputs": model_inputs[seen:],
+                "attention_calls": attention[attended:],  # the stand-in's calls: sequences per call
+            }
+        )
         params.append({n: _full(p) for n, p in engine.module.named_parameters()})
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, out["steps"])
@@ -469,6 +515,101 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     if rank == 0:
         out["reference"] = parity_reference(engine, cfg, case, everyone, grads, params)
     return out
+
+
+def _shapes(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the model's forward received: each tensor's shape (None for None), e.g. the packed input of
+    ``use_remove_padding``."""
+    keys = ("input_ids", "position_ids", "attention_mask", "pixel_values")
+    return {k: None if kwargs.get(k) is None else list(kwargs[k].shape) for k in keys}
+
+
+# ------------------------------------------------ use_remove_padding=True where flash-attn is not installed (CPU)
+
+#: the names verl/models/transformers/glm4v.py binds only when flash-attn (or an NPU) is available
+FLASH_NAMES = ("flash_attn_varlen_func", "_flash_use_top_left_mask", "_flash_supports_deterministic")
+
+
+def _has_flash_attn() -> bool:
+    import verl.models.transformers.glm4v as glm4v
+
+    return all(name in vars(glm4v) for name in FLASH_NAMES)
+
+
+def cpu_varlen_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any = None,
+    max_seqlen_k: Any = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    **_: Any,
+) -> Any:
+    """A pure-torch stand-in for flash-attn's ``flash_attn_varlen_func``, with its contract: packed
+    ``(total, heads, head_dim)`` q/k/v cut into sequences at ``cu_seqlens``, attention within each sequence only
+    (causal; q and k lengths are equal, so top-left and bottom-right alignment agree), softmax in fp32, the output in
+    q's dtype (flash-attn returns its input dtype). No dropout (verl passes 0.0 in training: attention_dropout 0)."""
+    import torch
+
+    assert dropout_p == 0.0, dropout_p
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    pieces = []
+    with torch.autocast(q.device.type, enabled=False):
+        for i in range(cu_seqlens_q.numel() - 1):
+            qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+            ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+            qi, ki, vi = (t.transpose(0, 1).float() for t in (q[qs:qe], k[ks:ke], v[ks:ke]))  # (heads, len, dim)
+            scores = (qi @ ki.transpose(-1, -2)) * scale
+            if causal:
+                keep = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).tril(ke - ks - (qe - qs))
+                scores = scores.masked_fill(~keep, float("-inf"))
+            pieces.append((scores.softmax(-1) @ vi).transpose(0, 1).to(q.dtype))
+    return torch.cat(pieces)
+
+
+def install_flash_stand_in() -> list[int]:
+    """Bind :func:`cpu_varlen_attention` and the two flash-attn settings in verl's glm4v module (as verl binds them
+    from flash-attn: ``_flash_use_top_left_mask`` False for flash-attn >= 2.1, ``_flash_supports_deterministic``
+    False: no ``deterministic`` keyword). Returns the list each call appends its number of sequences to. Nothing
+    else in verl changes; :func:`verl_globals_restored` undoes it after the case."""
+    import verl.models.transformers.glm4v as glm4v
+
+    calls: list[int] = []
+
+    def varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(int(cu_seqlens_q.numel()) - 1)
+        return cpu_varlen_attention(q, k, v, cu_seqlens_q, *args, **kwargs)
+
+    varlen.stand_in = True  # type: ignore[attr-defined]
+    glm4v.flash_attn_varlen_func = varlen
+    glm4v._flash_use_top_left_mask = False
+    glm4v._flash_supports_deterministic = False
+    return calls
+
+
+@contextmanager
+def verl_globals_restored() -> Iterator[None]:
+    """What a ``use_remove_padding=True`` case leaves behind in this process, undone when the case ends:
+    ``apply_monkey_patch`` replaces ``Glm4vTextAttention.forward`` (verl's ``glm4v_attn_forward``) and transformers'
+    ``flash_attention._flash_attention_forward`` class- and module-wide, and the flash-attn stand-in binds names in
+    verl's glm4v module. The next case of the launch then starts as a fresh process would."""
+    from transformers.integrations import flash_attention
+    from transformers.models.glm4v.modeling_glm4v import Glm4vTextAttention
+
+    attention, flash = Glm4vTextAttention.forward, flash_attention._flash_attention_forward
+    try:
+        yield
+    finally:
+        Glm4vTextAttention.forward = attention
+        flash_attention._flash_attention_forward = flash
+        glm4v = sys.modules.get("verl.models.transformers.glm4v")
+        if getattr(getattr(glm4v, "flash_attn_varlen_func", None), "stand_in", False):
+            for name in FLASH_NAMES:
+                delattr(glm4v, name)
 
 
 def _worst(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, list[str]]:
@@ -494,6 +635,23 @@ def _worst(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, list[
     return worst, where, missing
 
 
+def _cast_floating(dtype: Any) -> Any:
+    """A forward pre-hook casting every floating tensor of the inputs to ``dtype``: FSDP2's ``cast_forward_inputs``
+    (``FSDPState._cast_forward_inputs``: ``_apply_to_tensors`` over args and kwargs, ints left alone)."""
+    import torch
+    from torch.distributed.utils import _apply_to_tensors
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    def hook(_module: Any, args: Any, kwargs: Any) -> Any:
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    return hook
+
+
 def parity_reference(
     engine: Any, cfg: dict[str, Any], case: dict[str, Any], ranks: list[Any], grads: list[Any], params: list[Any]
 ) -> dict[str, Any]:
@@ -501,7 +659,15 @@ def parity_reference(
     engine's ``forward_step`` and ``sft_loss``, on every rank's micro-batch of each step: ``(loss_r / W).backward()``
     per rank batch r (loss_r normalised by the global token count and multiplied by W, as verl does), then the same
     AdamW (the engine optimizer's class, defaults and per-step lr). Halving is exact and a+b commutative, so with 2
-    ranks every figure below can be 0.0."""
+    ranks every figure below can be 0.0.
+
+    With verl's default bf16 policy (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32,
+    cast_forward_inputs=True)`` and the engine's bf16 autocast) the reference does by hand what FSDP2 does: fp32
+    master weights and AdamW on them; the model computes with bf16 copies of them (buffers stay fp32, as in the
+    engine); every module that is an FSDP2 group in the engine casts its floating inputs to bf16 first; each rank
+    batch's bf16 gradients (``.grad`` cleared between batches, so nothing accumulates in bf16) are cast to fp32 and
+    summed in fp32. FSDP2 reduce-scatters the fp32 casts with AVG: (a + b) / 2, which equals a/2 + b/2 exactly
+    (halving a bf16 or fp32 value is exact), so 0.0 is possible here too."""
     import torch
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import get_hf_auto_model_class
@@ -519,28 +685,52 @@ def parity_reference(
     single.module = module
     import inspect
 
+    compute = getattr(engine, "_autocast_dtype", torch.float32)
+    mixed = compute != torch.float32
+    named = dict(module.named_parameters())
+    master = {n: p.detach().clone().requires_grad_(True) for n, p in named.items()} if mixed else named
+    if mixed:
+        for p in named.values():
+            p.data = p.data.to(compute)
+        for name in fsdp_groups(engine.module):
+            module.get_submodule(name).register_forward_pre_hook(_cast_floating(compute), with_kwargs=True)
     kind = type(engine.optimizer)  # AdamW; its defaults hold keys its constructor does not take (AdamW over Adam)
     accepted = inspect.signature(kind).parameters
-    optimizer = kind(module.parameters(), **{k: v for k, v in engine.optimizer.defaults.items() if k in accepted})
+    optimizer = kind(master.values(), **{k: v for k, v in engine.optimizer.defaults.items() if k in accepted})
     calls: list[list[int]] = []
     module.model.visual.register_forward_pre_hook(lambda _m, args: calls.append(list(args[0].shape)) and None)
-    out: dict[str, Any] = {"steps": []}
+    out: dict[str, Any] = {"steps": [], "mixed_precision": mixed}
+    remove_padding = bool(case.get("remove_padding"))
     for step in range(case.get("steps", 2)):
         for group in optimizer.param_groups:
             group["lr"] = ranks[0][step]["lr"]
         optimizer.zero_grad(set_to_none=True)
-        batches = [p14_sft_batch(kinds[r % len(kinds)], _seed(step, r), world) for r in range(world)]
+        if mixed:  # FSDP2's all-gather of the bf16 cast of each fp32 shard
+            with torch.no_grad():
+                for n, p in named.items():
+                    p.copy_(master[n])
+        batches = [p14_sft_batch(kinds[r % len(kinds)], _seed(step, r), world, remove_padding) for r in range(world)]
         tokens = sum(int(b["loss_mask"].sum()) for b in batches)
         losses, first = [], len(calls)
+        summed: dict[str, Any] = {}
         for batch in batches:
             tu.assign_non_tensor(batch, sp_size=1, dp_size=world, batch_num_tokens=tokens)
+            if mixed:
+                module.zero_grad(set_to_none=True)
             loss, _ = single.forward_step(batch, loss_function=engine_loss(), forward_only=False)
             (loss / world).backward()
             losses.append(float(loss.detach()))
-        named = dict(module.named_parameters())
-        grad_diff, grad_at, grad_missing = _worst(grads[step], {n: p.grad for n, p in named.items()})
+            if mixed:  # the reduce dtype (fp32), summed over ranks
+                for n, p in named.items():
+                    if p.grad is not None:
+                        g = p.grad.float()
+                        summed[n] = g if n not in summed else summed[n] + g
+        if mixed:
+            for n, m in master.items():
+                m.grad = summed.get(n)
+        grad_diff, grad_at, grad_missing = _worst(grads[step], {n: p.grad for n, p in master.items()})
         optimizer.step()
-        param_diff, param_at, param_missing = _worst(params[step], {n: p.detach() for n, p in named.items()})
+        param_diff, param_at, param_missing = _worst(params[step], {n: p.detach() for n, p in master.items()})
         from fsdp_compat.testing.parity import worse
 
         loss_diff = 0.0
@@ -557,9 +747,9 @@ def parity_reference(
                 "missing": grad_missing + param_missing,
                 "vision_calls": calls[first:],
                 "grad_norm_vision": float(
-                    sum(p.grad.float().pow(2).sum() for n, p in named.items() if "visual" in n and p.grad is not None)
+                    sum(p.grad.float().pow(2).sum() for n, p in master.items() if "visual" in n and p.grad is not None)
                 ),
-                "params": len(named),
+                "params": len(master),
             }
         )
     return out
@@ -581,15 +771,21 @@ def engine_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
     extra["cases"] = {}
     for case in cfg["cases"]:
-        if case.get("expect_failure"):
-            extra["cases"][case["name"]] = run_expected_failure(cfg, case, rank)
-        elif case.get("kinds"):
-            extra["cases"][case["name"]] = run_parity(cfg, case, rank, {})
-        else:
-            extra["cases"][case["name"]] = run_case(cfg, case, rank, {})
+        t0 = time.perf_counter()
+        with verl_globals_restored():
+            if case.get("expect_failure"):
+                extra["cases"][case["name"]] = run_expected_failure(cfg, case, rank)
+            elif case.get("kinds"):
+                extra["cases"][case["name"]] = run_parity(cfg, case, rank, {})
+            else:
+                extra["cases"][case["name"]] = run_case(cfg, case, rank, {})
+        extra["cases"][case["name"]]["case_s"] = time.perf_counter() - t0
         extra["state"] = adapter_state()
-        if case.get("expect_failure") and extra["cases"][case["name"]]["error"] and not case.get("at_setup"):
+        stopped = case.get("expect_failure") and extra["cases"][case["name"]]["error"]
+        if stopped and not (case.get("at_setup") or case.get("same_stop")):
             return  # FSDP crashed mid-forward: collectives may be left unmatched, so no barrier; rank_entry exits
+        if stopped:  # every rank stopped at the same point after the same collectives: the launch goes on
+            dist.barrier()
     dist.barrier()
 
 

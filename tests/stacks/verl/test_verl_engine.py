@@ -2,11 +2,14 @@
 ``train_batch`` (``forward_backward_batch`` + ``optimizer_step``), then ``engine.get_per_tensor_param()``.
 
 Ranks are fresh interpreters (``_verl_engine_ranks.py``, this folder) that never import fsdp_compat's adapter: the
-installed wheel's ``.pth`` hook / ``verl.plugins`` entry point activate it, exactly as for a user. On CPU the only
-test-side piece is a platform registered through verl's public ``PlatformRegistry`` (``_verl_cpu_platform``,
-verl >= 0.9.0). The tiny GLM4V is saved with ``save_pretrained`` and loaded by verl itself (meta-device init on
-rank 1, ``apply_monkey_patch``, FSDP2, ``fsdp2_load_full_state_dict``). Cases are grouped into two rank launches
-(the verl import dominates): ``FSDP_COMPAT=off`` and the default. Each guarded failure is shown first.
+installed wheel's ``.pth`` hook / ``verl.plugins`` entry point activate it, exactly as for a user. On CPU the
+test-side pieces are a platform registered through verl's public ``PlatformRegistry`` (``_verl_cpu_platform``,
+verl >= 0.9.0) and, for the remove-padding recipe only, a pure-torch stand-in for flash-attn's varlen kernel
+(flash-attn needs CUDA; where verl stops without it is asserted). The tiny GLM4V is saved with ``save_pretrained``
+and loaded by verl itself (meta-device init on rank 1, ``apply_monkey_patch``, FSDP2, ``fsdp2_load_full_state_dict``).
+Cases are grouped into four rank launches (the verl import dominates): ``FSDP_COMPAT=off`` and the default, each for
+the zoo GLM4V and for the patch-14 GLM4V (a different micro-batch per rank, mixed image/text ranks, verl's
+remove-padding recipe). Each guarded failure is shown first.
 
 Figures asserted below were measured with torch 2.13.0+cpu, transformers 5.10.4, verl 0.9.1, 2 gloo ranks.
 """
@@ -120,7 +123,9 @@ def _launch(
         env={**clean, "PYTHONPATH": os.pathsep.join([str(TESTS), *inherited]), **env},
     )
     result.raise_for_error()
-    print(f"verl {VERL} engine launch ({', '.join(c['name'] for c in cases)}): {result.seconds:.1f}s")
+    first = result.ranks[0].extra["cases"]
+    timing = ", ".join(f"{c['name']} {first[c['name']]['case_s']:.1f}s" for c in cases if c["name"] in first)
+    print(f"verl {VERL} engine launch: {result.seconds:.1f}s (rank 0, per case: {timing})")
     return [rank.extra for rank in result.ranks]
 
 
@@ -152,6 +157,25 @@ def p14_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 #: fp32 compute, and verl's clip made a no-op (clip_grad 1e9: the factor is exactly 1.0): a sharded gradient norm
 #: sums its squares in another order than one process does, so a clip that bites differs in the last bits
 PARITY = {"model_dir": "p14_dir", "engine": {"mixed_precision": FP32}, "optimizer": {"clip_grad": 1e9}}
+#: verl's VLM recipe: use_remove_padding=True (model config and batch meta), verl's default mixed precision (no
+#: mixed_precision key: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) + bf16 autocast), gradient
+#: checkpointing (verl's default), 2 rows per micro-batch (micro_batch_size_per_gpu 2), rank 0 image rows, rank 1
+#: text-only rows, 2 steps. The clip is made a no-op as in PARITY so that the comparison can be exact.
+RECIPE = {"model_dir": "p14_dir", "kinds": ["image", "text"], "remove_padding": True, "optimizer": {"clip_grad": 1e9}}
+#: verl 0.9.0's remove-padding GLM4V attention (glm4v_attn_forward) imports apply_multimodal_rotary_pos_emb, which
+#: transformers 5 (what verl 0.9.x requires) no longer has: it cannot run anywhere; 0.9.1 uses apply_rotary_pos_emb
+RECIPE_RUNS = SpecifierSet(">=0.9.1").contains(VERL, prereleases=True)
+ROPE_IMPORT = "ImportError: cannot import name 'apply_multimodal_rotary_pos_emb' from 'transformers.models.glm4v"
+#: remove-padding attention needs flash-attn's varlen kernel (CUDA): on CPU the recipe runs with a pure-torch stand-in
+#: for it (``cpu_varlen_attention`` in _verl_engine_ranks.py), and without it records where verl stops
+RECIPE_CASES = [
+    # no flash-attn and no stand-in: verl's own remove-padding attention cannot run (the stop is asserted)
+    {"name": "recipe_no_flash", **RECIPE, "expect_failure": True, "same_stop": True},
+    # fp32 compute with remove padding: verl's attention hands flash-attn's bf16 output to the fp32 o_proj
+    {"name": "recipe_fp32", **RECIPE, "flash_stand_in": True, "engine": {"mixed_precision": FP32},
+     "expect_failure": True, "same_stop": True},
+    {"name": "recipe", **RECIPE, "flash_stand_in": True, "expect_failure": not RECIPE_RUNS, "same_stop": True},
+]
 #: rank 0 micro-batches of one image per row, rank 1 of other image sizes (another token count) / of text only
 PARITY_CASES = [
     {"name": "parity", "kinds": ["image", "image2"], **PARITY},
@@ -161,13 +185,15 @@ PARITY_CASES = [
 
 @pytest.fixture(scope="module")
 def parity(model_dir: str, p14_dir: str) -> list[dict[str, Any]]:
-    return _launch(model_dir, PARITY_CASES, {}, p14_dir=p14_dir)
+    return _launch(model_dir, PARITY_CASES + RECIPE_CASES, {}, p14_dir=p14_dir)
 
 
 @pytest.fixture(scope="module")
 def mixed_off(model_dir: str, p14_dir: str) -> list[dict[str, Any]]:
-    case = {"name": "mixed", "kinds": ["image", "text"], "expect_failure": True, **PARITY}
-    return _launch(model_dir, [case], {"FSDP_COMPAT": "off"}, p14_dir=p14_dir)
+    # both ranks stop in the vision tower's position embedding, after the same collectives: the launch goes on
+    mixed = {"name": "mixed", "kinds": ["image", "text"], "expect_failure": True, "same_stop": True, **PARITY}
+    recipe = {"name": "recipe", **RECIPE, "flash_stand_in": True, "expect_failure": True}
+    return _launch(model_dir, [mixed, recipe], {"FSDP_COMPAT": "off"}, p14_dir=p14_dir)
 
 
 def _case(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -322,13 +348,21 @@ def test_different_batch_per_rank_step2_parity(parity: list[dict[str, Any]]) -> 
     assert all(s["vision_calls"] == [PATCHES[k] for k in kinds] for s in reference["steps"]), reference
 
 
+def _grid_sampler_crash(ranks: list[dict[str, Any]], name: str) -> None:
+    """Every rank ran the vision tower (rank 1 on verl's dummy) and crashed in verl's position_embedding group."""
+    for rank, state in enumerate(ranks):
+        assert not state["state"]["patched"], state["state"]
+        case = state["cases"][name]
+        assert GRID_SAMPLER_CRASH in case["error"], (name, case)
+        assert "model.visual.embeddings.position_embedding" in case["groups"], (name, case["groups"])
+        assert case["vision_calls"] == [PATCHES[["image", "text"][rank % 2]]], (name, case["vision_calls"])
+
+
 @needs_engine
 def test_mixed_batches_off_switch_crashes(mixed_off: list[dict[str, Any]]) -> None:
     """FSDP_COMPAT=off, rank 0 with images and rank 1 text only: both ranks reach the vision tower (rank 1 through
     verl's own dummy), both crash in verl's position_embedding group with the grid_sampler error."""
-    for rank in mixed_off:
-        assert not rank["state"]["patched"], rank["state"]
-        assert GRID_SAMPLER_CRASH in rank["cases"]["mixed"]["error"], rank["cases"]["mixed"]
+    _grid_sampler_crash(mixed_off, "mixed")
 
 
 @needs_engine
@@ -414,3 +448,103 @@ def test_glm4v_forward_first_order_is_repaired(path: dict[str, str]) -> None:
     assert out.get("error") is None and out["max_abs_logit_diff"] == 0.0, out
     off = _probe({"FSDP_COMPAT": "off", **path}, "forward_first_probe")
     assert not off["state"]["patched"] and off["error"] == SHAPE_CRASH, off
+
+
+# ------------------------------------------- verl's recipe: remove padding, bf16, checkpointing, mixed ranks
+
+NO_FLASH = "NameError: name '_flash_use_top_left_mask' is not defined"
+#: fp32 q/k/v cast to bf16 for flash-attn (verl/models/transformers/glm4v.py:226), the bf16 output into the fp32 o_proj
+FP32_O_PROJ = "to have the same dtype, but got: c10::BFloat16 != float"
+
+
+def _packed(case: dict[str, Any], rows: int = 2) -> None:
+    """verl's remove-padding input: the micro-batch's rows packed into one row, 4-row position ids, no mask."""
+    for step in case["steps"]:
+        (inputs,) = step["model_inputs"]
+        total = inputs["input_ids"][1]
+        assert inputs["input_ids"] == [1, total] and inputs["position_ids"] == [4, 1, total], inputs
+        assert inputs["attention_mask"] is None, inputs
+        if case["flash_stand_in"]:  # every attention call cut the packed row into the micro-batch's rows
+            assert step["attention_calls"] and set(step["attention_calls"]) == {rows}, step["attention_calls"]
+
+
+@needs_engine
+def test_recipe_off_switch_crashes_first_in_the_wrap(mixed_off: list[dict[str, Any]]) -> None:
+    """FSDP_COMPAT=off, verl's recipe (remove padding, bf16, checkpointing, 2 rows per micro-batch, rank 0 images,
+    rank 1 text only): the grid_sampler crash from verl's own wrap rule on both ranks, before any remove-padding
+    code (the flash-attn stand-in is in place, so only the wrap can stop it)."""
+    _grid_sampler_crash(mixed_off, "recipe")
+
+
+def _stops_in_verls_rope_import(ranks: list[dict[str, Any]], name: str) -> None:
+    """verl 0.9.0: both ranks pack the rows, run the vision tower (rank 1 on verl's dummy), then stop in verl's
+    GLM4V remove-padding attention on an import from transformers that transformers 5 does not have."""
+    for rank, state in enumerate(ranks):
+        case = state["cases"][name]
+        assert case["error"].startswith(ROPE_IMPORT), case
+        assert case["where"].startswith("verl/models/transformers/glm4v.py:"), case["where"]
+        assert "in glm4v_attn_forward" in case["traceback"], case["traceback"]
+        assert case["vision_calls"] == [PATCHES[RECIPE["kinds"][rank]]], case["vision_calls"]
+        (inputs,) = case["model_inputs"]
+        assert inputs["input_ids"][0] == 1 and inputs["position_ids"][:2] == [4, 1], inputs
+
+
+@needs_engine
+def test_recipe_remove_padding_stops_without_flash_attn(parity: list[dict[str, Any]]) -> None:
+    """verl's remove-padding path without flash-attn (a CPU host): the engine packs the rows (asserted), the vision
+    tower runs on both ranks (rank 1 on verl's dummy, so fsdp-compat got the job past the wrap), then verl's GLM4V
+    text attention (glm4v_attn_forward) reads flash-attn settings that glm4v.py defines only when flash-attn is
+    importable: NameError on both ranks. Where flash-attn is installed the case trains instead."""
+    if not RECIPE_RUNS:
+        return _stops_in_verls_rope_import(parity, "recipe_no_flash")
+    for rank, state in enumerate(parity):
+        case = state["cases"]["recipe_no_flash"]
+        if case["flash_attn"]:
+            assert case["error"] is None and len(case["steps"]) == 2, case
+            continue
+        assert case["error"] == NO_FLASH, case
+        assert case["where"].startswith("verl/models/transformers/glm4v.py:"), case["where"]
+        assert "in glm4v_attn_forward" in case["traceback"], case["traceback"]
+        if str(VERL) == "0.9.1":
+            assert case["where"] == "verl/models/transformers/glm4v.py:327", case["where"]
+        assert case["vision_calls"] == [PATCHES[RECIPE["kinds"][rank]]], case["vision_calls"]
+        (inputs,) = case["model_inputs"]
+        assert inputs["input_ids"][0] == 1 and inputs["position_ids"][:2] == [4, 1], inputs
+
+
+@needs_engine
+def test_recipe_remove_padding_fp32_fails_in_verls_attention(parity: list[dict[str, Any]]) -> None:
+    """With an fp32 MixedPrecisionPolicy, verl's remove-padding attention casts q/k/v to bf16 for flash-attn and
+    feeds flash-attn's bf16 output to the fp32 o_proj: a dtype error in verl's code on both ranks (no autocast in
+    fp32). So the recipe's exact comparison is made in bf16, the precision verl's recipe trains in."""
+    if not RECIPE_RUNS:
+        return _stops_in_verls_rope_import(parity, "recipe_fp32")
+    for state in parity:
+        case = state["cases"]["recipe_fp32"]
+        assert FP32_O_PROJ in (case["error"] or ""), case
+        assert "glm4v_attn_forward" in case["traceback"] and "o_proj" in case["traceback"], case["traceback"]
+
+
+@needs_engine
+def test_recipe_remove_padding_bf16_mixed_ranks_trains_with_exact_parity(parity: list[dict[str, Any]]) -> None:
+    """verl's recipe, rank 0 image rows and rank 1 text-only rows: both ranks train 2 steps (no hang, no abort),
+    verl's dummy runs the tower once per step on rank 1, and each step's losses, fp32 gradients and post-AdamW
+    parameters equal one process doing by hand what FSDP2's bf16 policy does (bf16 copies of fp32 master weights,
+    inputs of each engine group cast to bf16, bf16 gradients per rank batch cast to fp32 and summed): 0.0.
+    verl 0.9.0: its remove-padding attention stops on both ranks in verl's own code (asserted)."""
+    if not RECIPE_RUNS:
+        return _stops_in_verls_rope_import(parity, "recipe")
+    reference = _assert_exact_parity(parity, "recipe")
+    assert reference["mixed_precision"], reference
+    image, text = _case(parity, "recipe")
+    for case in (image, text):
+        assert case["compute_dtype"] == "torch.bfloat16" and case["gradient_checkpointing"], case
+        assert case["rows"] == [2, 2], case["rows"]
+        assert case["flash_stand_in"] != case["flash_attn"], case
+        _packed(case)
+        assert all(math.isfinite(s["loss"]) for s in case["steps"]), case["steps"]
+    assert [s["vision_calls"] for s in image["steps"]] == [[PATCHES["image"]]] * 2, image["steps"]
+    assert [s["vision_calls"] for s in text["steps"]] == [[DUMMY]] * 2, text["steps"]
+    for step in reference["steps"]:
+        assert step["vision_calls"] == [PATCHES["image"], DUMMY], step
+        assert step["grad_norm_vision"] > 0.0, step
