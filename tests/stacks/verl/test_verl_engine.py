@@ -361,7 +361,10 @@ def _grid_sampler_crash(ranks: list[dict[str, Any]], name: str) -> None:
 @needs_engine
 def test_mixed_batches_off_switch_crashes(mixed_off: list[dict[str, Any]]) -> None:
     """FSDP_COMPAT=off, rank 0 with images and rank 1 text only: both ranks reach the vision tower (rank 1 through
-    verl's own dummy), both crash in verl's position_embedding group with the grid_sampler error."""
+    verl's own dummy), both crash in verl's position_embedding group with the grid_sampler error. That crash, not a
+    collective mismatch, is what a verl user meets: verl's GLM4V forward runs the tower on a zero dummy for a
+    text-only micro-batch, so the ranks' collectives already pair up; in verl the alignment's job is to add no second
+    dummy (the next test counts the tower calls)."""
     _grid_sampler_crash(mixed_off, "mixed")
 
 
