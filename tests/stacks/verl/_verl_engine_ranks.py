@@ -635,9 +635,11 @@ def _worst(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str, list[
     return worst, where, missing
 
 
-def _cast_floating(dtype: Any) -> Any:
+def _cast_floating(dtype: Any, *, in_recompute: bool) -> Any:
     """A forward pre-hook casting every floating tensor of the inputs to ``dtype``: FSDP2's ``cast_forward_inputs``
-    (``FSDPState._cast_forward_inputs``: ``_apply_to_tensors`` over args and kwargs, ints left alone)."""
+    (``FSDPState._cast_forward_inputs``: ``_apply_to_tensors`` over args and kwargs, ints left alone). With
+    ``in_recompute`` False it leaves the inputs of an activation-checkpoint recompute (a forward run inside backward)
+    as they come, as :func:`fsdp_casts_recompute_inputs` finds FSDP2 does on older torch."""
     import torch
     from torch.distributed.utils import _apply_to_tensors
 
@@ -647,9 +649,28 @@ def _cast_floating(dtype: Any) -> Any:
         return x
 
     def hook(_module: Any, args: Any, kwargs: Any) -> Any:
+        if not in_recompute and torch._C._current_graph_task_id() != -1:  # inside backward: a recompute
+            return args, kwargs
         return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
 
     return hook
+
+
+def fsdp_casts_recompute_inputs() -> bool:
+    """Whether this torch's FSDP2 casts a group's inputs to ``param_dtype`` when activation checkpointing runs the
+    group's forward again in backward. torch 2.11's ``FSDPState._pre_forward`` returns the recompute's args as they
+    come (its ``TrainingState.PRE_BACKWARD`` branch skips ``cast_forward_inputs``); torch 2.13's returns
+    ``self._cast_forward_inputs(args, kwargs)``. Under verl's recipe on torch 2.11 a checkpointed vision block's
+    recompute therefore reads the fp32 rotary tables where its forward read their bf16 casts: the gradients differ
+    from those of the forward that was run (measured: 3.05e-05 on the patch embedding's gradient at step 1)."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    source = inspect.getsource(FSDPState._pre_forward)
+    recompute = source[source.index("TrainingState.PRE_BACKWARD") :]
+    first_return = next(line for line in recompute.splitlines() if line.strip().startswith("return "))
+    return "_cast_forward_inputs" in first_return
 
 
 def parity_reference(
@@ -667,7 +688,8 @@ def parity_reference(
     engine); every module that is an FSDP2 group in the engine casts its floating inputs to bf16 first; each rank
     batch's bf16 gradients (``.grad`` cleared between batches, so nothing accumulates in bf16) are cast to fp32 and
     summed in fp32. FSDP2 reduce-scatters the fp32 casts with AVG: (a + b) / 2, which equals a/2 + b/2 exactly
-    (halving a bf16 or fp32 value is exact), so 0.0 is possible here too."""
+    (halving a bf16 or fp32 value is exact), so 0.0 is possible here too. Gradient checkpointing as the engine set
+    it, and a recompute's inputs cast only where this torch's FSDP2 casts them (:func:`fsdp_casts_recompute_inputs`)."""
     import torch
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import get_hf_auto_model_class
@@ -689,11 +711,14 @@ def parity_reference(
     mixed = compute != torch.float32
     named = dict(module.named_parameters())
     master = {n: p.detach().clone().requires_grad_(True) for n, p in named.items()} if mixed else named
+    if engine.module.is_gradient_checkpointing:  # verl's default, as the engine set it (transformer_impl.py)
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mixed:
         for p in named.values():
             p.data = p.data.to(compute)
+        cast = _cast_floating(compute, in_recompute=fsdp_casts_recompute_inputs())
         for name in fsdp_groups(engine.module):
-            module.get_submodule(name).register_forward_pre_hook(_cast_floating(compute), with_kwargs=True)
+            module.get_submodule(name).register_forward_pre_hook(cast, with_kwargs=True)
     kind = type(engine.optimizer)  # AdamW; its defaults hold keys its constructor does not take (AdamW over Adam)
     accepted = inspect.signature(kind).parameters
     optimizer = kind(master.values(), **{k: v for k, v in engine.optimizer.defaults.items() if k in accepted})
