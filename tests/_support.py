@@ -27,6 +27,10 @@ T = TypeVar("T")
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 #: One NCCL rank per visible GPU (NCCL refuses two ranks on one GPU); 2 gloo ranks on CPU.
 WORLD_SIZE = max(1, torch.cuda.device_count()) if DEVICE == "cuda" else 2
+#: A case that repeats a mechanism another case of the same test already proves, on another model family, world size
+#: or plan. The core env (torch 2.13) runs every case; the envs that rerun these tests on each torch a framework pins
+#: deselect these (``-m "not breadth"``), so each test still runs there with at least one case.
+BREADTH = pytest.mark.breadth
 
 
 def require_framework(name: str, probe: Callable[[], T | None]) -> T:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import DEVICE, WORLD_SIZE
+from _support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
@@ -71,7 +71,7 @@ def _assert_generation_exact(out: dict[str, Any]) -> None:
     assert out["scores_equal"], out["max_score_diff"]
 
 
-@pytest.mark.parametrize("model", ["glm4v", "qwen2.5-vl"])
+@pytest.mark.parametrize("model", ["glm4v", pytest.param("qwen2.5-vl", marks=BREADTH)])
 def test_generation_and_log_probs_with_image_and_text_ranks_equal_one_process(model: str) -> None:
     """Image and text prompts on different ranks, fsdp-compat's plan: every case equals the one process; the
     text ranks run the tower on a dummy where the image rank runs it, and decode steps make no exchange."""
@@ -140,7 +140,7 @@ def test_ranks_that_stop_at_different_lengths_need_synced_gpus() -> None:
         assert (f"rank {r.rank}: case 0:sample finished" in text) == (r.rank % 2 == 0), text[-3000:]
 
 
-@pytest.mark.parametrize("plan", ["root", "blocks"])
+@pytest.mark.parametrize("plan", ["root", pytest.param("blocks", marks=BREADTH)])
 def test_tower_call_outside_the_forward_crashes_plain_fsdp2_then_works_with_the_runtime(plan: str) -> None:
     """Plain FSDP2, one group on the root (``root``) or a framework's wrap of every vision block and text layer
     (``blocks``), no fsdp-compat: ``get_image_features`` before any forward meets the sharded patch embedding.

@@ -12,7 +12,7 @@ are tested in their own files.
 from __future__ import annotations
 
 import pytest
-from _support import DEVICE, WORLD_SIZE
+from _support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode
@@ -26,7 +26,13 @@ MISMATCH = "Received data size doesn't match expected size"
 # One rank with images, the others none (on GPU: one NCCL rank per GPU, rank 0 the image rank).
 IMAGE_AND_TEXT = ["image"] + ["text"] * (max(WORLD_SIZE, 2) - 1)
 WORLD = len(IMAGE_AND_TEXT)
-FAMILY_MODELS = ["glm4v", "glm4v-moe", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+FAMILY_MODELS = [
+    "glm4v",
+    pytest.param("glm4v-moe", marks=BREADTH),
+    pytest.param("qwen2-vl", marks=BREADTH),
+    "qwen2.5-vl",
+    pytest.param("qwen3-vl", marks=BREADTH),
+]
 
 
 def _run(model: str, variants: list[str], mode: str = "sync", timeout_s: float = 90.0, wrap: str = AUTO) -> RunResult:
@@ -131,6 +137,7 @@ def test_always_mode_gives_the_tower_zero_gradients_on_all_text_steps() -> None:
     assert run.ranks[0].extra["worst_param"].startswith("model.visual.")
 
 
+@BREADTH
 def test_vlm_outside_the_table_fails_on_every_rank_with_one_clear_error() -> None:
     """LLaVA (CLIP tower, no grid): without alignment the collectives fall out of step; with it every rank raises
     the same FsdpCompatError, naming the model class, the ranks and the fix, before any collective is issued."""

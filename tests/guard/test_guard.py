@@ -11,7 +11,7 @@ root reading a layer's weight before that layer runs, GLM4V's raw read of its vi
 from __future__ import annotations
 
 import pytest
-from _support import DEVICE, WORLD_SIZE
+from _support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.guard import ENV_AGREE_S, ENV_GUARD, guard_enabled, guard_of, install_guard
 from fsdp_compat.testing.launch import RunResult
@@ -21,7 +21,7 @@ MODELS = "lab.guard_models"
 OFF = {ENV_GUARD: "off"}
 ON = {ENV_GUARD: None}  # unset: the default
 MIXED = "got mixed torch.Tensor and DTensor"
-WORLD_SIZES = sorted({1, WORLD_SIZE})
+WORLD_SIZES = [pytest.param(n, marks=BREADTH) if n == 1 else n for n in sorted({1, WORLD_SIZE})]
 TIMEOUT_S = 240
 
 # (model, wrap fn, the group the guard must unshard, the crash's op)
@@ -114,16 +114,25 @@ def test_one_log_line_per_group_the_same_on_every_rank() -> None:
     [
         pytest.param(f"{MODELS}:passed_embedding", "legacy_reentrant", "aten.mm.default", id="read-inside-reentrant"),
         pytest.param(
-            f"{MODELS}:passed_embedding", "legacy_non_reentrant", "aten.mm.default", id="read-inside-non-reentrant"
+            f"{MODELS}:passed_embedding",
+            "legacy_non_reentrant",
+            "aten.mm.default",
+            id="read-inside-non-reentrant",
+            marks=BREADTH,
         ),
         pytest.param(
-            f"{MODELS}:weight_before_forward", "layers_only_reentrant", "aten.nll_loss_backward", id="layers-reentrant"
+            f"{MODELS}:weight_before_forward",
+            "layers_only_reentrant",
+            "aten.nll_loss_backward",
+            id="layers-reentrant",
+            marks=BREADTH,
         ),
         pytest.param(
             f"{MODELS}:weight_before_forward",
             "layers_only_non_reentrant",
             "aten.nll_loss_backward",
             id="layers-non-reentrant",
+            marks=BREADTH,
         ),
         pytest.param("glm4v", "legacy_non_reentrant", "aten.grid_sampler_2d", id="glm4v-hf-gradient-checkpointing"),
     ],
