@@ -34,6 +34,7 @@ __all__ = [
     "lm_loss",
     "loss_scale",
     "rank_batches",
+    "rank_result",
     "reference_backward",
     "run_training",
     "sharded_twins_step",
@@ -106,6 +107,25 @@ def full_tensor(t: Any) -> Any:
         return None
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
+
+
+def rank_result(
+    rank: int, losses: list[float], grads: Diff, params: Diff, extra: dict[str, Any], step_time_s: float = math.nan
+) -> RankResult:
+    """A rank's successful result from its gradient and parameter comparisons (where each was worst goes in
+    ``extra``)."""
+    extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
+    return RankResult(
+        rank=rank,
+        ok=True,
+        losses=losses,
+        max_abs_grad_diff=grads.abs,
+        max_rel_grad_diff=grads.rel,
+        max_abs_param_diff=params.abs,
+        max_rel_param_diff=params.rel,
+        step_time_s=step_time_s,
+        extra=extra,
+    )
 
 
 def worse(worst: float, x: float) -> float:
@@ -300,21 +320,9 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
     extra["mixed_batches"] = _mixed_batch_counters(model)
     guard = _guard_of(model)
     extra["guard_unshards"] = guard.unshards if guard is not None else None
-    extra["worst_grad_param"] = grads.where
-    extra["worst_param"] = params.where
     if cfg.get("probe"):
         extra["probe"] = _jsonable(_resolve(cfg["probe"])())
-    return RankResult(
-        rank=rank,
-        ok=True,
-        losses=losses,
-        max_abs_grad_diff=grads.abs,
-        max_rel_grad_diff=grads.rel,
-        max_abs_param_diff=params.abs,
-        max_rel_param_diff=params.rel,
-        step_time_s=statistics.median(times) if times else math.nan,
-        extra=extra,
-    )
+    return rank_result(rank, losses, grads, params, extra, statistics.median(times) if times else math.nan)
 
 
 def _mixed_batch_counters(model: Any) -> dict[str, int]:

@@ -137,7 +137,6 @@ def test_always_mode_gives_the_tower_zero_gradients_on_all_text_steps() -> None:
     assert run.ranks[0].extra["worst_param"].startswith("model.visual.")
 
 
-@BREADTH
 def test_vlm_outside_the_table_fails_on_every_rank_with_one_clear_error() -> None:
     """LLaVA (CLIP tower, no grid): without alignment the collectives fall out of step; with it every rank raises
     the same FsdpCompatError, naming the model class, the ranks and the fix, before any collective is issued."""

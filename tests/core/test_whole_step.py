@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import BREADTH
 
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 ROUTINE = "_whole_step_ranks:whole_step_rank"
 TESTS = Path(__file__).resolve().parent
-MODELS = ["glm4v", "qwen2.5-vl"]
+MODELS = ["glm4v", pytest.param("qwen2.5-vl", marks=BREADTH)]
 MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
 VARIANTS = ["image", "text"]  # one batch a rank, for the cases without accumulation

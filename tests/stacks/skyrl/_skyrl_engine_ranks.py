@@ -34,6 +34,7 @@ from fsdp_compat.testing.parity import (
     full_tensor,
     gradient_reduction_factor,
     init_group,
+    rank_result,
 )
 from fsdp_compat.testing.skyrl_smoke import _PACKAGES, installed_skyrl, probe
 
@@ -290,19 +291,9 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
         losses.append(float(loss.detach()))
     extra["reference_losses"] = ref_losses
     extra["mixed_batches"] = _mixed_batch_counters(wrapped.model)
-    extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
     extra["max_param_update"] = max(float((p - initial[n]).abs().max()) for n, p in ref_params.items())
     extra["probe"] = probe()
-    return RankResult(
-        rank=rank,
-        ok=True,
-        losses=losses,
-        max_abs_grad_diff=grads.abs,
-        max_rel_grad_diff=grads.rel,
-        max_abs_param_diff=params.abs,
-        max_rel_param_diff=params.rel,
-        extra=extra,
-    )
+    return rank_result(rank, losses, grads, params, extra)
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
