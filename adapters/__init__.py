@@ -1,8 +1,8 @@
 """Framework adapters, and their index: the little the start-up hook and ``fsdp-compat doctor`` must know.
 
 Each adapter module (``verl.py``, ``skyrl.py``, ``areal.py``, ``llamafactory.py``, ``transformers.py``,
-``accelerate.py``) reads as its release table: for these versions, in these modules, this name becomes that function,
-and these repairs run.
+``accelerate.py``, ``nemo_automodel.py``) reads as its release table: for these versions, in these modules, this name
+becomes that function, and these repairs run.
 Importing an adapter module activates it (that is how ``external_lib=fsdp_compat.adapters.verl`` works), so what
 must be known *before* that import lives here, in :data:`ADAPTERS`: per distribution the module whose import
 activates the adapter (the trigger) and the versions it supports. The ``.pth`` hook watches the triggers in every
@@ -83,6 +83,10 @@ ADAPTERS: dict[str, AdapterEntry] = {
     ),
     "accelerate": AdapterEntry(
         "fsdp_compat.adapters.accelerate", {"accelerate": ("accelerate.utils.fsdp_utils", ">=1.15.0,<1.17")}
+    ),
+    "nemo_automodel": AdapterEntry(
+        "fsdp_compat.adapters.nemo_automodel",
+        {"nemo-automodel": ("nemo_automodel.components.distributed.parallelizer", ">=0.7.0,<0.8")},
     ),
 }
 

@@ -42,9 +42,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_compat.activation import Release, Replacement, declare, logger
+from fsdp_compat.activation import Release, Replacement, declare
 
 from . import trigger
+from ._existing import check_groups, evidence, report, root_module, sharded_groups
 
 __all__ = [
     "ADAPTER",
@@ -63,127 +64,12 @@ FSDP_UTILS = trigger("accelerate")
 #: (``accelerate.accelerator``, whose ``Accelerator._prepare_fsdp2`` calls it): every by-name importer in 1.15/1.16.
 IMPORTERS = ("accelerate.utils", "accelerate.accelerator")
 FRAMEWORK = "accelerate"
+ADVICE = "keep these modules out of accelerate's groups (the plugin's transformer_cls_names_to_wrap)"
 
 
 def _model_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The ``model`` of ``fsdp2_prepare_model(accelerator, model, ...)``, by keyword or position (None if absent)."""
     return kwargs["model"] if "model" in kwargs else (args[1] if len(args) > 1 else None)
-
-
-def _is_rank_zero() -> bool:
-    try:
-        import torch.distributed as dist
-
-        return not dist.is_initialized() or dist.get_rank() == 0
-    except Exception:  # pragma: no cover - torch without distributed
-        return True
-
-
-def _root_module(model: Any) -> Any:
-    """The module accelerate sharded: a ``torch.compile`` wrapper's ``_orig_mod`` when that is the FSDP2 root."""
-    from torch.distributed.fsdp import FSDPModule
-
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, FSDPModule) and not isinstance(model, FSDPModule) else model
-
-
-def _reshards(state: Any) -> bool:
-    """Whether a ``fully_shard`` state reshards after its forward (its param groups keep a post-forward mesh)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.10: one group per state
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return any(getattr(group, "post_forward_mesh_info", None) is not None for group in groups)
-
-
-def sharded_groups(model: Any) -> list[tuple[tuple[str, ...], bool]]:
-    """The FSDP2 groups below ``model``'s root as they are: (module paths of one ``fully_shard`` call, whether it
-    reshards after forward), in ``named_modules`` order; the root's own group is left out (it encloses the rest)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    root = _root_module(model)
-    root_state = fully_shard.state(root) if isinstance(root, FSDPModule) else None
-    groups: dict[int, tuple[Any, list[str]]] = {}
-    for path, module in root.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = fully_shard.state(module)
-        if state is root_state:
-            continue
-        groups.setdefault(id(state), (state, []))[1].append(path)
-    return [(tuple(paths), _reshards(state)) for state, paths in groups.values()]
-
-
-def _evidence(model: Any) -> tuple[Any, list[Any]] | None:
-    """The module tree and the static evidence of ``model`` before accelerate shards it (its code and its Parameter
-    objects as they are), or None (with one warning) when the analysis cannot run."""
-    try:
-        from fsdp_compat.analysis import find_raw_reads
-        from fsdp_compat.tree import ModuleTree
-
-        tree = ModuleTree.build(model)
-        return tree, list(find_raw_reads(model, tree).events)
-    except Exception as exc:
-        logger.warning(
-            "%s: the safety check of %s could not read its code (%s: %s); accelerate's FSDP2 groups are kept as "
-            "they are, with fsdp-compat's run-time guard",
-            FRAMEWORK,
-            type(model).__name__,
-            type(exc).__name__,
-            exc,
-        )
-        return None
-
-
-def check_groups(tree: Any, events: list[Any], groups: list[tuple[tuple[str, ...], bool]]) -> list[tuple[str, str]]:
-    """fsdp-compat's safety checker on a grouping that exists already: (group, why) for each group that some
-    evidence shows would be read while it is sharded, or that splits a Parameter's sharers (deepest first, as
-    :func:`fsdp_compat.safety.settle` finds them); empty when the grouping is safe."""
-    from fsdp_compat.safety import Layout, settle, sharer_sets
-
-    known = [(paths, {} if reshards else {"reshard_after_forward": False}) for paths, reshards in groups]
-    layout = Layout.of((paths, overrides) for paths, overrides in known if all(p in tree.modules for p in paths))
-    return [(" + ".join(p.key), p.describe()) for p in settle(tree, layout, events, sharer_sets(tree))]
-
-
-def _report(model: Any, evidence: tuple[Any, list[Any]]) -> None:
-    """Check accelerate's groups and say so on rank 0 (never raises: a failing check warns)."""
-    try:
-        groups = sharded_groups(model)
-        unsafe = check_groups(*evidence, groups)
-    except Exception as exc:
-        logger.warning(
-            "%s: the safety check of %s's FSDP2 groups failed (%s: %s); they are kept as they are, with "
-            "fsdp-compat's run-time guard",
-            FRAMEWORK,
-            type(model).__name__,
-            type(exc).__name__,
-            exc,
-        )
-        return
-    if not _is_rank_zero():
-        return
-    name = type(_root_module(model)).__name__.removeprefix("FSDP")
-    if not unsafe:
-        logger.info(
-            "%s: %s: accelerate's %d FSDP2 groups below the root pass fsdp-compat's safety check (kept as they are); "
-            "run-time guard and mixed micro-batch alignment installed",
-            FRAMEWORK,
-            name,
-            len(groups),
-        )
-        return
-    logger.warning(
-        "%s: %s: fsdp-compat's safety check cannot show that these FSDP2 groups of accelerate are unsharded whenever "
-        "their parameters are read: %s. accelerate's grouping is kept as it is (accelerate applies it itself); if "
-        "such a read finds its group sharded, fsdp-compat's run-time guard unshards the group there (one more "
-        "all-gather; the group then stays unsharded until the end of backward) and logs it. To avoid it, keep these "
-        "modules out of accelerate's groups (the plugin's transformer_cls_names_to_wrap), or shard with "
-        "fsdp_compat.apply_fsdp2.",
-        FRAMEWORK,
-        name,
-        "; ".join(f"{group} ({why})" for group, why in unsafe),
-    )
 
 
 def make_fsdp2_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
@@ -199,17 +85,17 @@ def make_fsdp2_prepare_model(original: Callable[..., Any], policy: str) -> Calla
         from fsdp_compat.runtime import install_runtime
 
         model = _model_argument(args, kwargs)
-        evidence = None
-        fresh = isinstance(model, nn.Module) and not isinstance(_root_module(model), FSDPModule)  # else: as it came
+        found = None
+        fresh = isinstance(model, nn.Module) and not isinstance(root_module(model), FSDPModule)  # else: as it came
         if fresh and resolve_policy(policy).analyzed:
-            evidence = _evidence(model)
+            found = evidence(FRAMEWORK, model)
         result = original(*args, **kwargs)
         prepared = result if isinstance(result, nn.Module) else model
         if not isinstance(prepared, nn.Module):
             return result
-        if evidence is not None:
-            _report(prepared, evidence)
-        install_runtime(_root_module(prepared))  # the run-time guard, and mixed micro-batches kept in step
+        if found is not None:
+            report(FRAMEWORK, prepared, found, ADVICE)
+        install_runtime(root_module(prepared))  # the run-time guard, and mixed micro-batches kept in step
         return result
 
     fsdp2_prepare_model.__fsdp_compat__ = True  # type: ignore[attr-defined]

@@ -46,11 +46,12 @@ KNOWN_RELEASES = {
     ("areal", "areal"): ["1.0.4"],
     ("llamafactory", "llamafactory"): ["0.9.5"],
     ("accelerate", "accelerate"): ["1.15.0", "1.16.0"],
+    ("nemo_automodel", "nemo-automodel"): ["0.7.0"],
 }
 
 
 OUTSIDE = {"verl": "0.3.1", "skyrl-train": "0.4.0", "skyrl": "0.0.1", "transformers": "5.10.4", "areal": "1.0.3",
-           "accelerate": "1.14.0"}
+           "accelerate": "1.14.0", "nemo-automodel": "0.8.0"}
 
 
 @pytest.mark.parametrize(("key", "distribution"), list(KNOWN_RELEASES))
