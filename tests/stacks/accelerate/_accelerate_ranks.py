@@ -25,32 +25,11 @@ import os
 import sys
 from typing import Any
 
+from lab.observe import LogLines, fsdp_groups
+
 from fsdp_compat.testing.parity import Diff, init_group, reference_backward
 
 __all__ = ["LogLines", "accelerate_env", "accelerate_rank", "build_fsdp2_accelerator", "fsdp_groups", "gpu_type_state"]
-
-
-class LogLines(logging.Handler):
-    """Keeps fsdp-compat's log lines of this rank (the activation line comes at ``import accelerate``)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def fsdp_groups(model: Any) -> list[list[str]]:
-    """The FSDP2 groups as module paths, one entry per ``fully_shard`` call (``fully_shard([a, b])``: both paths;
-    ``""`` is the root), in ``named_modules`` order."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    groups: dict[int, list[str]] = {}
-    for path, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            groups.setdefault(id(fully_shard.state(module)), []).append(path)
-    return list(groups.values())
 
 
 def accelerate_env(cfg: dict[str, Any], rank: int) -> None:
