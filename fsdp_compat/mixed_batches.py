@@ -335,6 +335,8 @@ def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from _floating_tensors(v)
+        if "pooler_output" not in value:  # set as a plain attribute on an output without that field (Mistral3 5.10)
+            yield from _floating_tensors(getattr(value, "pooler_output", None))
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _floating_tensors(v)
