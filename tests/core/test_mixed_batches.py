@@ -17,7 +17,7 @@ from _support import BREADTH, DEVICE, WORLD_SIZE
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode
 from fsdp_compat.testing.launch import RunResult, current_wording
-from fsdp_compat.testing.parity import PARITY_TOL, run_training
+from fsdp_compat.testing.parity import run_training
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -156,11 +156,7 @@ def test_vlm_outside_the_table_fails_on_every_rank_with_one_clear_error() -> Non
         assert f"rank(s) {', '.join(map(str, range(1, WORLD)))} have no pixel_values" in text
         assert "rank(s) 0 do" in text
         assert "model.vision_tower" in text and "Fix:" in text
-    # the same model trains when every rank has images (the error is only for the mixed case); its two-layer
-    # projector sums the ranks' gradients in another order than one process: 6e-08 on transformers 5.10, not 0.0
-    both = _run("vipllava", ["image"] * WORLD)
-    both.raise_for_error()
-    assert both.max_rel_grad_diff <= PARITY_TOL and both.max_rel_param_diff <= PARITY_TOL
+
 
 
 def test_family_table_rows_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
