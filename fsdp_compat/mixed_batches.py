@@ -35,9 +35,11 @@ is a decode step on every rank (transformers drops vision inputs there), so no r
 exchange is made; ``synced_gpus`` defaults to True on a model sharded across ranks (transformers' own rule for
 FSDP-managed modules), so ranks that stop at different lengths keep running forwards together.
 
-Families are one table (:data:`FAMILIES`): the inner model classes that hold ``visual`` and ``language_model``, the
-vision inputs they take, and the dummy builder. A model whose forward is not transformers' own (verl replaces the
-GLM4V and Qwen-VL forwards with ones that run their own dummy) is left alone. A vision-language model outside the
+Families are one table (:data:`FAMILIES`): the inner model classes that hold a vision tower (``visual``,
+``vision_tower``, ``vision_model``) and a text model (``language_model``, ``text_model``), the vision inputs they
+take, and the dummy builder of their tower kind (a patch grid, a fixed resolution, Pixtral's ``image_sizes``,
+Idefics3's tiles). A model whose forward is not transformers' own (verl replaces the GLM4V and Qwen-VL forwards with
+ones that run their own dummy) is left alone. A vision-language model outside the
 table whose vision tower is sharded gets the same exchange and, where ranks differ, one
 :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks and the fix, instead of
 a hang.
@@ -70,10 +72,14 @@ __all__ = [
     "MODES",
     "MixedBatches",
     "VisionFamily",
+    "fixed_inputs",
     "grid_dummy",
+    "grid_inputs",
     "install_mixed_batches",
     "mixed_batches_mode",
     "mixed_batches_of",
+    "sized_inputs",
+    "tile_inputs",
 ]
 
 ENV_MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"
@@ -108,22 +114,70 @@ def grid_dummy(vision_config: Any, device: torch.device, dtype: torch.dtype) -> 
     return pixels, grid
 
 
-_IMAGES_AND_VIDEOS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+DummyInputs = Callable[[Any, torch.device, torch.dtype], dict[str, torch.Tensor]]
+
+
+def grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``get_image_features`` arguments of a patch-grid tower (GLM4V, Qwen-VL): :func:`grid_dummy`."""
+    pixels, grid = grid_dummy(config.vision_config, device, dtype)
+    return {"pixel_values": pixels, "image_grid_thw": grid}
+
+
+def _side(vision_config: Any) -> int:
+    size = vision_config.image_size
+    return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+def _channels(vision_config: Any) -> int:
+    return int(getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3)
+
+
+def fixed_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image at the tower's fixed resolution (CLIP, SigLIP: the position table has exactly one row per
+    patch of ``image_size`` x ``image_size``, so no smaller image exists): ``(1, C, S, S)``."""
+    vision = config.vision_config
+    side = _side(vision)
+    return {"pixel_values": torch.zeros(1, _channels(vision), side, side, dtype=dtype, device=device)}
+
+
+def sized_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of 2 x 2 merged patches and its ``image_sizes`` (Pixtral: any size that is a multiple of
+    patch x spatial merge; the projector merges m x m patches, so two merged tokens per side)."""
+    vision = config.vision_config
+    side = 2 * int(vision.patch_size) * int(getattr(config, "spatial_merge_size", 1) or 1)
+    pixels = torch.zeros(1, _channels(vision), side, side, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]], dtype=torch.long, device=device)}
+
+
+def tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One tile of one image, ``(1, 1, C, S, S)``, of ones (Idefics3, SmolVLM: an all-zero tile is padding the
+    model drops, which would leave the tower no input; the features are multiplied by 0.0 all the same)."""
+    vision = config.vision_config
+    side = _side(vision)
+    return {"pixel_values": torch.ones(1, 1, _channels(vision), side, side, dtype=dtype, device=device)}
 
 
 @dataclass(frozen=True)
 class VisionFamily:
     """One row: the inner model classes of a VLM family, its vision inputs, and how to feed its tower a dummy.
 
-    ``inputs`` lists (pixel argument, grid argument) per medium in the order the forward calls the tower; the
-    dummy always goes through the first (``get_image_features``), and joins the graph at ``language_model``'s
-    ``inputs_embeds``, where the real features join it too.
+    ``tower`` and ``text`` are the inner model's attributes that hold the vision tower and the text model;
+    ``inputs`` lists the pixel arguments, one tower call each, in the order the forward makes them; ``dummy``
+    builds the ``get_image_features`` keywords of the family's smallest valid input from the inner model's config
+    (one builder per tower kind, shared by the families of that kind). The dummy's features join the graph at the
+    text model's ``inputs_embeds``, where the real features join it too.
     """
 
     name: str
     classes: tuple[str, ...]
-    inputs: tuple[tuple[str, str], ...] = _IMAGES_AND_VIDEOS
-    dummy: Callable[[Any, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = grid_dummy
+    inputs: tuple[str, ...] = ("pixel_values", "pixel_values_videos")
+    dummy: DummyInputs = grid_inputs
+    tower: str = "visual"
+    text: str = "language_model"
+
+
+def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
+    return VisionFamily(name, (cls,), ("pixel_values",), fixed_inputs, tower)
 
 
 FAMILIES: tuple[VisionFamily, ...] = (
@@ -134,6 +188,12 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen2.5-vl", ("Qwen2_5_VLModel",)),
     VisionFamily("qwen3-vl", ("Qwen3VLModel",)),
     VisionFamily("qwen3-vl-moe", ("Qwen3VLMoeModel",)),
+    _fixed("llava", "LlavaModel"),
+    _fixed("gemma3", "Gemma3Model"),
+    _fixed("paligemma", "PaliGemmaModel"),
+    VisionFamily("mistral3", ("Mistral3Model",), ("pixel_values",), sized_inputs, "vision_tower"),
+    VisionFamily("idefics3", ("Idefics3Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
+    VisionFamily("smolvlm", ("SmolVLMModel",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
 )
 
 
@@ -169,9 +229,11 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
     installed: list[MixedBatches] = []
     for path, module in model.named_modules():
         family = _family_of(module)
-        if family is not None and all(hasattr(module, a) for a in ("visual", "language_model", "get_image_features")):
+        needed = (family.tower, family.text, "get_image_features") if family is not None else ()
+        if family is not None and all(hasattr(module, a) for a in needed):
             if mode == "off":
-                installed.append(MixedBatches(model, module.visual, f"{path}.visual" if path else "visual", mode))
+                tower = getattr(module, family.tower)
+                installed.append(MixedBatches(model, tower, f"{path}.{family.tower}" if path else family.tower, mode))
             else:
                 installed.append(_KnownFamily(model, module, path, family, mode))
     if not installed:
@@ -273,6 +335,8 @@ def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from _floating_tensors(v)
+        if "pooler_output" not in value:  # set as a plain attribute on an output without that field (Mistral3 5.10)
+            yield from _floating_tensors(getattr(value, "pooler_output", None))
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _floating_tensors(v)
@@ -516,7 +580,8 @@ class _KnownFamily(MixedBatches):
     """A table family: count the tower calls, exchange counts, top up with dummies before the text model."""
 
     def __init__(self, root: nn.Module, inner: nn.Module, path: str, family: VisionFamily, mode: str) -> None:
-        super().__init__(root, inner.visual, f"{path}.visual" if path else "visual", mode)
+        tower = getattr(inner, family.tower)
+        super().__init__(root, tower, f"{path}.{family.tower}" if path else family.tower, mode)
         self.path = path
         self.family = family
         self._inner = weakref.ref(inner)
@@ -527,11 +592,11 @@ class _KnownFamily(MixedBatches):
         self._handles += [
             inner.register_forward_pre_hook(_marked(self._pre_forward), with_kwargs=True),
             inner.register_forward_hook(_marked(self._post_forward), always_call=True),
-            inner.language_model.register_forward_pre_hook(_marked(self._before_text_model), with_kwargs=True),
+            getattr(inner, family.text).register_forward_pre_hook(_marked(self._before_text_model), with_kwargs=True),
         ]
 
     def _own_calls(self, inputs: dict[str, Any]) -> int:
-        return sum(inputs.get(pixels) is not None for pixels, _ in self.family.inputs)
+        return sum(inputs.get(pixels) is not None for pixels in self.family.inputs)
 
     def _aligned(self) -> bool:
         inner = self._inner()
@@ -542,7 +607,7 @@ class _KnownFamily(MixedBatches):
         if not self._aligned():
             return
         inputs = _call_inputs(module, args, kwargs)
-        visible = _shows(module, [pixels for pixels, _ in self.family.inputs])
+        visible = _shows(module, self.family.inputs)
         own = self._own_calls(inputs)
         if self._decode_step(inputs):
             if own:
@@ -618,16 +683,21 @@ class _KnownFamily(MixedBatches):
         inner = self._inner()
         assert inner is not None
         self._unshard_enclosing(root)
-        visual = inner.visual
-        pixels, grid = self.family.dummy(inner.config.vision_config, device, visual.dtype)
+        dummy = self._dummy(inner, device)
         target, self._target = self._target, None  # not counted as this forward's own calls
         try:
-            zero = _zero_of(inner.get_image_features(pixels, grid))
+            zero = _zero_of(inner.get_image_features(**dummy))
         finally:
             self._target = target
         self.dummy_calls += 1
         if torch.is_grad_enabled() and zero is not None:
             self._zero = zero if self._zero is None else self._zero + zero
+
+    def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+        """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
+        tower = getattr(inner, self.family.tower)
+        dtype = next((p.dtype for p in tower.parameters() if p.is_floating_point()), torch.float32)
+        return self.family.dummy(inner.config, device, dtype)
 
     def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         zero, self._zero = self._zero, None
@@ -637,10 +707,8 @@ class _KnownFamily(MixedBatches):
             missing = self._target - self._calls
             self._target = None  # the dummies' own tower calls are not counted
             _, embeds = _inputs_embeds(module, args, kwargs)
-            visual = inner.visual
             for _ in range(missing):
-                pixels, grid = self.family.dummy(inner.config.vision_config, embeds.device, visual.dtype)
-                term = _zero_of(inner.get_image_features(pixels, grid))
+                term = _zero_of(inner.get_image_features(**self._dummy(inner, embeds.device)))
                 if term is not None:
                     zero = term if zero is None else zero + term
                 self.dummy_calls += 1

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "FAMILY_VLMS",
     "VISION_ZOO",
     "VLM_VARIANTS",
     "ZOO",
@@ -120,12 +121,48 @@ VISION_ZOO: dict[str, ZooModel] = {
         ),
         ZooModel(
             "llava",
-            "LlavaForConditionalGeneration (CLIP vision tower, Qwen2 text), untied: a vision-language model that "
-            "fsdp-compat has no mixed-batch dummy for (pixel_values only, no grid).",
+            "LlavaForConditionalGeneration (CLIP vision tower, Qwen2 text), untied: a fixed-resolution tower, "
+            "pixel_values (N, C, S, S) only.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "gemma3",
+            "Gemma3ForConditionalGeneration (SigLIP tower, pooled to 4 tokens, Gemma3 text), untied: fixed resolution.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "paligemma",
+            "PaliGemmaForConditionalGeneration (SigLIP tower, Gemma text), untied: fixed resolution.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "mistral3",
+            "Mistral3ForConditionalGeneration (Pixtral tower, Mistral text), untied: any image size, pixel_values "
+            "plus image_sizes, patches merged 2 x 2.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "idefics3",
+            "Idefics3ForConditionalGeneration (SigLIP-style tower over tiles, Llama text as text_model), untied: "
+            "pixel_values (N, tiles, C, S, S), all-zero tiles dropped as padding.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "smolvlm",
+            "SmolVLMForConditionalGeneration (Idefics3's tiles, Llama text as text_model), untied.",
+            only_input_embedding=False,
+        ),
+        ZooModel(
+            "vipllava",
+            "VipLlavaForConditionalGeneration (CLIP tower read at two layers, Qwen2 text), untied: a vision-language "
+            "model outside fsdp-compat's family table (the named mixed-batch error).",
             only_input_embedding=False,
         ),
     )
 }
+
+#: The zoo's vision-language models whose batches have one image per row or none (variants "image", "text").
+FAMILY_VLMS = ("llava", "gemma3", "paligemma", "mistral3", "idefics3", "smolvlm", "vipllava")
 
 #: Batch variants of the vision-language models (``make_batch(..., variant=...)``): every rank of a data-parallel
 #: test may get another kind of micro-batch.
@@ -397,6 +434,131 @@ def _llava_batch(g: torch.Generator, variant: str) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Vision-language families of the other tower kinds (fixed resolution, Pixtral image_sizes, Idefics3 tiles). Sizes
+# follow each family's tester in transformers' tests/models/<name>/test_modeling_<name>.py (2 layers, hidden 32),
+# with the zoo's text sizes. Every row has one image (rows of text around its placeholder tokens) or none.
+
+_FAMILY_IMAGE_TOKEN = 10
+_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+               num_attention_heads=4, image_size=20, patch_size=5, num_channels=3)  # fmt: skip
+_PIXTRAL = dict(model_type="pixtral", hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                num_attention_heads=4, image_size=24, patch_size=6, num_channels=3, head_dim=8)  # fmt: skip
+_IDEFICS3_VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                        image_size=16, patch_size=4, num_channels=3)  # fmt: skip
+
+
+def _text(model_type: str, **extra: Any) -> dict[str, Any]:
+    return dict(_QWEN2, model_type=model_type, head_dim=32, **_rope(10000.0), **extra)
+
+
+def _eager(config: Any) -> Any:
+    config._attn_implementation = "eager"
+    return config
+
+
+def _gemma3() -> nn.Module:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = _text("gemma3_text", sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    text.update(rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0}
+                                 for t in ("sliding_attention", "full_attention")})  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=dict(_SIGLIP), mm_tokens_per_image=4,
+                          image_token_index=_FAMILY_IMAGE_TOKEN, boi_token_index=11, eoi_token_index=12,
+                          tie_word_embeddings=False)  # fmt: skip
+    return Gemma3ForConditionalGeneration(_eager(config))
+
+
+def _paligemma() -> nn.Module:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    config = PaliGemmaConfig(text_config=_text("gemma"), vision_config=dict(_SIGLIP, projection_dim=64),
+                             image_token_index=_FAMILY_IMAGE_TOKEN, projection_dim=64, hidden_size=64,
+                             tie_word_embeddings=False)  # fmt: skip
+    return PaliGemmaForConditionalGeneration(_eager(config))
+
+
+def _mistral3() -> nn.Module:
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(text_config=_text("mistral"), vision_config=dict(_PIXTRAL), spatial_merge_size=2,
+                            image_token_index=_FAMILY_IMAGE_TOKEN, vision_feature_layer=-1,
+                            tie_word_embeddings=False)  # fmt: skip
+    return Mistral3ForConditionalGeneration(_eager(config))
+
+
+def _idefics3(name: str) -> nn.Module:
+    import transformers
+
+    prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[name]
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=_text("llama"), vision_config=dict(_IDEFICS3_VISION), scale_factor=2,
+        image_token_id=_FAMILY_IMAGE_TOKEN, tie_word_embeddings=False,
+    )  # fmt: skip
+    return getattr(transformers, f"{prefix}ForConditionalGeneration")(_eager(config))
+
+
+def _vipllava() -> nn.Module:
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=_LLAVA_IMAGE, patch_size=8, projection_dim=32)  # fmt: skip
+    config = VipLlavaConfig(vision_config=vision, text_config=dict(_QWEN2, model_type="qwen2", **_rope(10000.0)),
+                            image_token_index=_FAMILY_IMAGE_TOKEN, vision_feature_layers=[-2, -1],
+                            tie_word_embeddings=False)  # fmt: skip
+    return VipLlavaForConditionalGeneration(_eager(config))
+
+
+def _family_pixels(name: str, g: torch.Generator, images: int) -> dict[str, torch.Tensor]:
+    """``images`` random images in the layout of ``name``'s tower kind (one per row)."""
+    if name in ("idefics3", "smolvlm"):
+        side = _IDEFICS3_VISION["image_size"]
+        return {"pixel_values": torch.randn(images, 1, 3, side, side, generator=g)}
+    if name == "mistral3":
+        side = _PIXTRAL["image_size"]
+        return {"pixel_values": torch.randn(images, 3, side, side, generator=g),
+                "image_sizes": torch.tensor([[side, side]] * images)}  # fmt: skip
+    side = _LLAVA_IMAGE if name in ("llava", "vipllava") else _SIGLIP["image_size"]
+    return {"pixel_values": torch.randn(images, 3, side, side, generator=g)}
+
+
+_TOKENS: dict[str, int] = {}
+
+
+def _tokens_per_image(name: str) -> int:
+    """Placeholder tokens one image takes: the features ``get_image_features`` returns for one image, counted on
+    the built model (so a family's own merge, pooling or CLS rule decides, not a formula copied here)."""
+    if name not in _TOKENS:
+        model = build_model(name)
+        with torch.no_grad():
+            out = model.model.get_image_features(**_family_pixels(name, torch.Generator().manual_seed(0), 1))
+        pooled = out.pooler_output if hasattr(out, "pooler_output") else out
+        tensors = list(pooled) if isinstance(pooled, (list, tuple)) else [pooled]
+        _TOKENS[name] = sum(t.numel() // t.shape[-1] for t in tensors)
+    return _TOKENS[name]
+
+
+def _family_batch(name: str, g: torch.Generator, variant: str) -> dict[str, torch.Tensor]:
+    """Two rows of text around one image each ("image"), or plain text of the same shape ("text")."""
+    if variant not in ("image", "text"):
+        from fsdp_compat.errors import FsdpCompatError
+
+        raise FsdpCompatError(f"the {name} zoo model takes variant 'image' or 'text', not {variant!r}")
+    n = _tokens_per_image(name)
+    rows = []
+    for _ in range(2):
+        before = torch.randint(16, 128, (5,), generator=g).tolist()
+        after = torch.randint(16, 128, (4,), generator=g).tolist()
+        middle = [_FAMILY_IMAGE_TOKEN] * n if variant == "image" else torch.randint(16, 128, (n,), generator=g).tolist()
+        rows.append([*before, *middle, *after])
+    input_ids = torch.tensor(rows)
+    labels = input_ids.masked_fill(input_ids == _FAMILY_IMAGE_TOKEN, -100)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+    if variant == "image":
+        batch.update(_family_pixels(name, g, 2))
+    return batch
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Text models
 
 _QWEN2 = dict(
@@ -613,6 +775,12 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
     "qwen2.5-vl": lambda: _qwen_vl("qwen2.5-vl"),
     "qwen3-vl": lambda: _qwen_vl("qwen3-vl"),
     "llava": lambda: _llava(),
+    "gemma3": _gemma3,
+    "paligemma": _paligemma,
+    "mistral3": _mistral3,
+    "idefics3": lambda: _idefics3("idefics3"),
+    "smolvlm": lambda: _idefics3("smolvlm"),
+    "vipllava": _vipllava,
 }
 
 
@@ -661,7 +829,7 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu")
 
 def is_vlm(name: str) -> bool:
     """True for the zoo's vision-language models (they take ``make_batch(..., variant=...)``)."""
-    return name in _VLM_INNER or name == "llava"
+    return name in _VLM_INNER or name in FAMILY_VLMS
 
 
 def make_batch(
@@ -675,6 +843,8 @@ def make_batch(
     g = torch.Generator().manual_seed(seed + 12345)
     if name == "llava":
         batch = _llava_batch(g, variant)
+    elif name in FAMILY_VLMS:
+        batch = _family_batch(name, g, variant)
     elif is_vlm(name):
         patch = _GLM_VISION["patch_size"]
         batch = _vlm_batch(name, g, variant, patch=patch, vocab=_GLM_TEXT["vocab_size"])

@@ -1,0 +1,112 @@
+"""Every vision-language family of the installed transformers (found from its registries, not a typed list) against
+fsdp-compat's mixed micro-batch table and the published family table (docs/families.md).
+
+Two kinds of case, both parametrised over the discovered families, so a family a newer transformers adds is a
+failing case until it is classified:
+
+- classification: the family's status in docs/families.md is the one the code gives it (a ``FAMILIES`` row and a
+  tiny zoo model: ``trains``; a row without a zoo model: ``row, not run``; a zoo model without a row: ``named
+  error``; neither: ``not covered``). An undocumented family fails here.
+- run (families with a tiny zoo model): image rank 0, text rank 1. With ``FSDP_COMPAT_MIXED_BATCHES=off`` gloo
+  aborts ("Received data size doesn't match expected size"); with the alignment a row trains at exact parity (0.0
+  gradients and parameters after each of 2 AdamW steps, one dummy tower call per forward on the text rank), a
+  family without a row raises the named FsdpCompatError on both ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from _support import DEVICE
+
+from fsdp_compat.mixed_batches import FAMILIES
+from fsdp_compat.testing.families import DiscoveredVlm, discover_vlms, family_status, row_of, zoo_model
+from fsdp_compat.testing.launch import RunResult, current_wording
+from fsdp_compat.testing.parity import run_training
+
+pytestmark = [pytest.mark.timeout(300)]
+
+AUTO = "fsdp_compat.testing.wraps:core_auto"
+MISMATCH = "Received data size doesn't match expected size"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "families.md"
+DISCOVERED = discover_vlms()
+
+
+def _documented() -> dict[str, str]:
+    """docs/families.md's table: first cell (the model types, the first one in backticks) -> status and note."""
+    table = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.match(r"`([^`]+)`", cells[0]) if len(cells) > 4 else None
+        if match:
+            table[match.group(1)] = " | ".join(cells[3:])
+    return table
+
+
+DOCUMENTED = _documented()
+
+
+def _ids(found: DiscoveredVlm) -> str:
+    return found.name
+
+
+@pytest.mark.parametrize("found", DISCOVERED, ids=_ids)
+def test_family_is_documented_with_the_status_the_code_gives_it(found: DiscoveredVlm) -> None:
+    assert found.name in DOCUMENTED, f"{found.name} ({found.outer}) is not in docs/families.md: classify it"
+    status = family_status(found)
+    assert DOCUMENTED[found.name].startswith(status), (found.name, DOCUMENTED[found.name], status)
+    if not found.has_tower_and_text:
+        assert status == "not covered" and found.shape_gap() in DOCUMENTED[found.name]
+
+
+def test_the_table_has_no_family_transformers_does_not_have() -> None:
+    assert set(DOCUMENTED) == {f.name for f in DISCOVERED}
+
+
+def test_every_row_matches_a_discovered_family() -> None:
+    inner = {f.inner for f in DISCOVERED}
+    assert all(set(family.classes) & inner for family in FAMILIES), [f.name for f in FAMILIES]
+
+
+def _run(model: str, mode: str) -> RunResult:
+    return run_training(model, AUTO, world_size=2, steps=2, device=DEVICE, timeout_s=90.0,
+                        variants=["image", "text"], env={"FSDP_COMPAT_MIXED_BATCHES": mode})  # fmt: skip
+
+
+def _assert_mismatch(run: RunResult) -> None:
+    assert not run.ok
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
+    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+
+
+def _assert_exact(run: RunResult) -> None:
+    run.raise_for_error()
+    assert run.max_abs_grad_diff == 0.0, run.ranks[0].extra.get("worst_grad_param")
+    assert run.max_abs_param_diff == 0.0, run.ranks[0].extra.get("worst_param")
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]
+    for r in run.ranks:
+        assert r.losses == r.extra["reference_losses"]
+
+
+def _assert_named_error(run: RunResult, found: DiscoveredVlm) -> None:
+    assert not run.ok
+    for r in run.ranks:
+        assert r.extra.get("exception", "").startswith("fsdp_compat.errors.FsdpCompatError: fsdp-compat: mixed")
+        assert found.outer in (r.error or "") and "Fix:" in (r.error or ""), r.error
+
+
+RUNNABLE = [f for f in DISCOVERED if zoo_model(f)]
+
+
+@pytest.mark.parametrize("found", RUNNABLE, ids=_ids)
+def test_image_and_text_ranks_crash_then_train_exactly_or_fail_by_name(found: DiscoveredVlm) -> None:
+    model = zoo_model(found)
+    assert model is not None
+    _assert_mismatch(_run(model, "off"))
+    run = _run(model, "sync")
+    if row_of(found) is not None:
+        _assert_exact(run)
+    else:
+        _assert_named_error(run, found)
