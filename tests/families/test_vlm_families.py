@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from _support import DEVICE
+from lab.families import DiscoveredVlm, discover_vlms, family_status, row_of, zoo_model
 
 from fsdp_compat.mixed_batches import FAMILIES
-from fsdp_compat.testing.families import DiscoveredVlm, discover_vlms, family_status, row_of, zoo_model
 from fsdp_compat.testing.launch import RunResult, current_wording
 from fsdp_compat.testing.parity import run_training
 
