@@ -35,14 +35,13 @@ is a decode step on every rank (transformers drops vision inputs there), so no r
 exchange is made; ``synced_gpus`` defaults to True on a model sharded across ranks (transformers' own rule for
 FSDP-managed modules), so ranks that stop at different lengths keep running forwards together.
 
-Families are one table (:data:`FAMILIES`): the inner model classes that hold a vision tower (``visual``,
-``vision_tower``, ``vision_model``) and a text model (``language_model``, ``text_model``), the vision inputs they
-take, and the dummy builder of their tower kind (a patch grid, a fixed resolution, Pixtral's ``image_sizes``,
-Idefics3's tiles). A model whose forward is not transformers' own (verl replaces the GLM4V and Qwen-VL forwards with
-ones that run their own dummy) is left alone. A vision-language model outside the
-table whose vision tower is sharded gets the same exchange and, where ranks differ, one
-:class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks and the fix, instead of
-a hang.
+Families are one table (:data:`FAMILIES`, :mod:`fsdp_compat.vlm_families`): the inner model classes that hold a
+vision tower and a text model, the vision inputs they take, and the dummy builder of their tower kind (a patch grid,
+a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A model whose forward is not transformers'
+own (verl replaces the GLM4V and Qwen-VL forwards with ones that run their own dummy) is left alone. A
+vision-language model outside the table whose vision tower is sharded gets the same exchange and, where ranks
+differ, one :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks and the
+fix, instead of a hang.
 
 ``FSDP_COMPAT_MIXED_BATCHES``: ``sync`` (default, as above), ``always`` (no exchange: every rank runs the tower at
 least once per forward, on a dummy where it has no input, as verl does; for image-only jobs, since a rank with
@@ -57,7 +56,6 @@ import logging
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,6 +63,15 @@ from torch import nn
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.vlm_families import (
+    FAMILIES,
+    VisionFamily,
+    fixed_inputs,
+    grid_dummy,
+    grid_inputs,
+    sized_inputs,
+    tile_inputs,
+)
 
 __all__ = [
     "ENV_MIXED_BATCHES",
@@ -94,107 +101,6 @@ def mixed_batches_mode() -> str:
     """``FSDP_COMPAT_MIXED_BATCHES`` (``sync`` when unset; the on spellings mean ``sync``, the off spellings ``off``:
     :mod:`fsdp_compat.switches`); an unknown value is an error naming the choices."""
     return switches.choice(ENV_MIXED_BATCHES, MODES, "sync", on="sync", off="off", strict=True)
-
-
-# ------------------------------------------------------------------------------------------------ family table
-
-
-def grid_dummy(vision_config: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero patches for one image of 2m x 2m patches (m = spatial merge size) and its ``grid_thw``.
-
-    The smallest input every ``pixel_values`` + ``*_grid_thw`` tower accepts: one merged token per m x m block,
-    and at least two blocks per side for the position-embedding interpolation (GLM4V) and window partition
-    (Qwen2.5-VL).
-    """
-    merge = int(vision_config.spatial_merge_size)
-    channels = int(getattr(vision_config, "in_channels", None) or vision_config.in_chans)
-    patch, temporal = int(vision_config.patch_size), int(vision_config.temporal_patch_size)
-    grid = torch.tensor([[1, 2 * merge, 2 * merge]], dtype=torch.long, device=device)
-    pixels = torch.zeros(4 * merge * merge, channels * temporal * patch * patch, dtype=dtype, device=device)
-    return pixels, grid
-
-
-DummyInputs = Callable[[Any, torch.device, torch.dtype], dict[str, torch.Tensor]]
-
-
-def grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``get_image_features`` arguments of a patch-grid tower (GLM4V, Qwen-VL): :func:`grid_dummy`."""
-    pixels, grid = grid_dummy(config.vision_config, device, dtype)
-    return {"pixel_values": pixels, "image_grid_thw": grid}
-
-
-def _side(vision_config: Any) -> int:
-    size = vision_config.image_size
-    return int(size[0] if isinstance(size, (list, tuple)) else size)
-
-
-def _channels(vision_config: Any) -> int:
-    return int(getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3)
-
-
-def fixed_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One zero image at the tower's fixed resolution (CLIP, SigLIP: the position table has exactly one row per
-    patch of ``image_size`` x ``image_size``, so no smaller image exists): ``(1, C, S, S)``."""
-    vision = config.vision_config
-    side = _side(vision)
-    return {"pixel_values": torch.zeros(1, _channels(vision), side, side, dtype=dtype, device=device)}
-
-
-def sized_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One zero image of 2 x 2 merged patches and its ``image_sizes`` (Pixtral: any size that is a multiple of
-    patch x spatial merge; the projector merges m x m patches, so two merged tokens per side)."""
-    vision = config.vision_config
-    side = 2 * int(vision.patch_size) * int(getattr(config, "spatial_merge_size", 1) or 1)
-    pixels = torch.zeros(1, _channels(vision), side, side, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]], dtype=torch.long, device=device)}
-
-
-def tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One tile of one image, ``(1, 1, C, S, S)``, of ones (Idefics3, SmolVLM: an all-zero tile is padding the
-    model drops, which would leave the tower no input; the features are multiplied by 0.0 all the same)."""
-    vision = config.vision_config
-    side = _side(vision)
-    return {"pixel_values": torch.ones(1, 1, _channels(vision), side, side, dtype=dtype, device=device)}
-
-
-@dataclass(frozen=True)
-class VisionFamily:
-    """One row: the inner model classes of a VLM family, its vision inputs, and how to feed its tower a dummy.
-
-    ``tower`` and ``text`` are the inner model's attributes that hold the vision tower and the text model;
-    ``inputs`` lists the pixel arguments, one tower call each, in the order the forward makes them; ``dummy``
-    builds the ``get_image_features`` keywords of the family's smallest valid input from the inner model's config
-    (one builder per tower kind, shared by the families of that kind). The dummy's features join the graph at the
-    text model's ``inputs_embeds``, where the real features join it too.
-    """
-
-    name: str
-    classes: tuple[str, ...]
-    inputs: tuple[str, ...] = ("pixel_values", "pixel_values_videos")
-    dummy: DummyInputs = grid_inputs
-    tower: str = "visual"
-    text: str = "language_model"
-
-
-def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
-    return VisionFamily(name, (cls,), ("pixel_values",), fixed_inputs, tower)
-
-
-FAMILIES: tuple[VisionFamily, ...] = (
-    VisionFamily("glm4v", ("Glm4vModel",)),
-    VisionFamily("glm4v-moe", ("Glm4vMoeModel",)),
-    VisionFamily("glm46v", ("Glm46VModel",)),
-    VisionFamily("qwen2-vl", ("Qwen2VLModel",)),
-    VisionFamily("qwen2.5-vl", ("Qwen2_5_VLModel",)),
-    VisionFamily("qwen3-vl", ("Qwen3VLModel",)),
-    VisionFamily("qwen3-vl-moe", ("Qwen3VLMoeModel",)),
-    _fixed("llava", "LlavaModel"),
-    _fixed("gemma3", "Gemma3Model"),
-    _fixed("paligemma", "PaliGemmaModel"),
-    VisionFamily("mistral3", ("Mistral3Model",), ("pixel_values",), sized_inputs, "vision_tower"),
-    VisionFamily("idefics3", ("Idefics3Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
-    VisionFamily("smolvlm", ("SmolVLMModel",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
-)
 
 
 def _family_of(module: nn.Module) -> VisionFamily | None:

@@ -785,7 +785,8 @@ _BUILDERS: dict[str, Callable[[], nn.Module]] = {
 
 
 def _external(name: str) -> Any:
-    """A test model outside the zoo, named "package.module:attr": attr has ``build()`` and ``batch(generator)``."""
+    """A test model outside the zoo, named "package.module:attr": attr has ``build()`` and ``batch(generator)``
+    (``batch(generator, variant)`` where it has a true ``is_vlm``: a vision-language model)."""
     import importlib
 
     module, _, attr = name.partition(":")
@@ -828,7 +829,10 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device = "cpu")
 
 
 def is_vlm(name: str) -> bool:
-    """True for the zoo's vision-language models (they take ``make_batch(..., variant=...)``)."""
+    """True for the zoo's vision-language models and external ones with a true ``is_vlm`` (they take
+    ``make_batch(..., variant=...)``)."""
+    if ":" in name:
+        return bool(getattr(_external(name), "is_vlm", False))
     return name in _VLM_INNER or name in FAMILY_VLMS
 
 
@@ -841,7 +845,10 @@ def make_batch(
     """
     _check_name(name)
     g = torch.Generator().manual_seed(seed + 12345)
-    if name == "llava":
+    if ":" in name:
+        external = _external(name)
+        batch = external.batch(g, variant) if getattr(external, "is_vlm", False) else external.batch(g)
+    elif name == "llava":
         batch = _llava_batch(g, variant)
     elif name in FAMILY_VLMS:
         batch = _family_batch(name, g, variant)
@@ -850,8 +857,6 @@ def make_batch(
         batch = _vlm_batch(name, g, variant, patch=patch, vocab=_GLM_TEXT["vocab_size"])
     elif name == "t5-shared":
         batch = _t5_batch(g)
-    elif name not in ZOO:
-        batch = _external(name).batch(g)
     else:
         batch = _text_batch(g)
     return {k: v.to(device) for k, v in batch.items()}

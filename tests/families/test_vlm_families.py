@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 from _support import DEVICE
-from lab.families import DiscoveredVlm, discover_vlms, family_status, row_of, zoo_model
+from lab.families import (
+    DiscoveredVlm,
+    counts_sentence,
+    discover_vlms,
+    family_status,
+    row_of,
+    table_markdown,
+    zoo_model,
+)
 
 from fsdp_compat.mixed_batches import FAMILIES
 from fsdp_compat.testing.launch import RunResult, current_wording
@@ -59,6 +67,13 @@ def test_family_is_documented_with_the_status_the_code_gives_it(found: Discovere
     assert DOCUMENTED[found.name].startswith(status), (found.name, DOCUMENTED[found.name], status)
     if not found.has_tower_and_text:
         assert status == "not covered" and found.shape_gap() in DOCUMENTED[found.name]
+
+
+def test_the_table_and_its_counts_are_the_ones_the_code_writes() -> None:
+    text = DOC.read_text()
+    fix = "regenerate it: cd tests && python -m lab.families ../docs/families.md"
+    assert table_markdown(DISCOVERED) in text, fix
+    assert counts_sentence(DISCOVERED) in text.replace("\n", " "), fix
 
 
 def test_the_table_has_no_family_transformers_does_not_have() -> None:
