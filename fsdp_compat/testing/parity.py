@@ -37,6 +37,7 @@ __all__ = [
     "rank_result",
     "reference_backward",
     "run_training",
+    "runtime_counters",
     "sharded_twins_step",
     "twin_step",
     "worse",
@@ -317,23 +318,26 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
         losses.append(float(step.loss.detach()))
         ref_losses.append(float(step.ref_losses[rank]))
     extra["reference_losses"] = ref_losses
-    extra["mixed_batches"] = _mixed_batch_counters(model)
-    guard = _guard_of(model)
-    extra["guard_unshards"] = guard.unshards if guard is not None else None
+    extra.update(runtime_counters(model))
     if cfg.get("probe"):
         extra["probe"] = _jsonable(_resolve(cfg["probe"])())
     return rank_result(rank, losses, grads, params, extra, statistics.median(times) if times else math.nan)
 
 
-def _mixed_batch_counters(model: Any) -> dict[str, int]:
-    """This rank's dummy vision-tower calls and count exchanges (:mod:`fsdp_compat.mixed_batches`)."""
+def runtime_counters(model: Any) -> dict[str, Any]:
+    """What fsdp-compat's runtime did on this rank: the mixed-batch alignment's dummy vision-tower calls and count
+    exchanges (``mixed_batches``), and the run-time guard's unshards (``guard_unshards``, None without a guard)."""
     from fsdp_compat.mixed_batches import mixed_batches_of
 
     installed = mixed_batches_of(model)
+    guard = _guard_of(model)
     return {
-        "installed": len(installed),
-        "dummy_calls": sum(m.dummy_calls for m in installed),
-        "exchanges": sum(m.exchanges for m in installed),
+        "mixed_batches": {
+            "installed": len(installed),
+            "dummy_calls": sum(m.dummy_calls for m in installed),
+            "exchanges": sum(m.exchanges for m in installed),
+        },
+        "guard_unshards": guard.unshards if guard is not None else None,
     }
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from lab.observe import LogLines, fsdp_groups
 
-from fsdp_compat.testing.parity import Diff, init_group, reference_backward
+from fsdp_compat.testing.parity import Diff, init_group, reference_backward, runtime_counters
 
 __all__ = ["LogLines", "accelerate_env", "accelerate_rank", "build_fsdp2_accelerator", "fsdp_groups", "gpu_type_state"]
 
@@ -90,8 +90,6 @@ def accelerate_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> No
 
     import torch
 
-    from fsdp_compat.guard import guard_of
-    from fsdp_compat.mixed_batches import mixed_batches_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     accelerator = build_fsdp2_accelerator(cfg)
@@ -103,7 +101,6 @@ def accelerate_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> No
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = accelerator.prepare(model, opt)
     extra["groups"] = fsdp_groups(model)
-    installed = mixed_batches_of(model)
 
     kinds = cfg["variants"]
     batches = [make_batch(cfg["model"], seed=100 + r, variant=kinds[r]) for r in range(cfg["world_size"])]
@@ -125,10 +122,4 @@ def accelerate_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> No
         extra["reference_losses"].append(float(ref_losses[rank]))
     extra["grad_diff"], extra["param_diff"] = grads.abs, params.abs
     extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
-    guard = guard_of(model)
-    extra["guard_unshards"] = guard.unshards if guard is not None else None
-    extra["mixed_batches"] = {
-        "installed": len(installed),
-        "dummy_calls": sum(m.dummy_calls for m in installed),
-        "exchanges": sum(m.exchanges for m in installed),
-    }
+    extra.update(runtime_counters(model))

@@ -24,7 +24,7 @@ from typing import Any
 
 from lab.observe import LogLines, fsdp_groups
 
-from fsdp_compat.testing.parity import Diff, init_group, reference_backward
+from fsdp_compat.testing.parity import Diff, init_group, reference_backward, runtime_counters
 
 __all__ = ["LogLines", "fsdp_groups", "nemo_parallelize", "nemo_rank"]
 
@@ -61,8 +61,6 @@ def nemo_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
     import torch
 
-    from fsdp_compat.guard import guard_of
-    from fsdp_compat.mixed_batches import mixed_batches_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     model = build_model(cfg["model"], seed=0)
@@ -71,7 +69,6 @@ def nemo_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     shard_fn = sys.modules[PARALLELIZER].apply_fsdp2_sharding_recursively
     extra["patched"] = bool(getattr(shard_fn, "__fsdp_compat__", False))
     extra["groups"] = fsdp_groups(model)
-    installed = mixed_batches_of(model)
 
     kinds = cfg["variants"]
     batches = [make_batch(cfg["model"], seed=100 + r, variant=kinds[r]) for r in range(cfg["world_size"])]
@@ -94,13 +91,7 @@ def nemo_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
         extra["reference_losses"].append(float(ref_losses[rank]))
     extra["grad_diff"], extra["param_diff"], extra["control_grad_diff"] = grads.abs, params.abs, control_grads.abs
     extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
-    guard = guard_of(model)
-    extra["guard_unshards"] = guard.unshards if guard is not None else None
-    extra["mixed_batches"] = {
-        "installed": len(installed),
-        "dummy_calls": sum(m.dummy_calls for m in installed),
-        "exchanges": sum(m.exchanges for m in installed),
-    }
+    extra.update(runtime_counters(model))
 
 
 def raw_read_model() -> Any:
