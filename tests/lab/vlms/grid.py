@@ -12,6 +12,9 @@ from lab.vlms import TinyVlm, grid_pixels
 
 def _eager(config: Any) -> Any:
     config._attn_implementation = "eager"
+    for sub in ("text_config", "vision_config"):
+        if getattr(config, sub, None) is not None:
+            getattr(config, sub)._attn_implementation = "eager"
     return config
 
 
@@ -25,6 +28,36 @@ def _glm46v() -> nn.Module:
     return Glm46VForConditionalGeneration(_eager(config))
 
 
+# The shared text-tester defaults of transformers' tests (causal_lm_tester's _TEXT_MODEL_TESTER_DEFAULTS), vocab 128.
+_TESTER_TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+# Qwen3-VL lineage testers' special tokens (image 3, video 4, vision start 5 / end 6).
+_QWEN3_TOKENS = dict(image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+
+
+def _qwen3_vl_moe() -> nn.Module:
+    """Qwen3-VL-MoE: Qwen3VLMoeVisionText2TextModelTester's sizes (patch 16, merge 1, 8 experts top-4,
+    deepstack at both vision layers); mrope section [2, 1, 1] to fit head_dim 8 (the tester's [16, 8, 8] is
+    for larger heads)."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(_TESTER_TEXT, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_act="silu",
+                moe_intermediate_size=16, num_experts=8, num_experts_per_tok=4, decoder_sparse_step=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=4, out_hidden_size=32, in_channels=3,
+                  patch_size=16, spatial_merge_size=1, temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, pad_token_id=0,
+                              **_QWEN3_TOKENS)  # fmt: skip
+    return Qwen3VLMoeForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
+    TinyVlm(
+        ("qwen3_vl_moe",), _qwen3_vl_moe, grid_pixels, image_token_id=3,
+        source="tests/models/qwen3_vl_moe tester (mrope section shrunk to head_dim 8)",
+    ),
 ]
