@@ -122,6 +122,8 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen2.5-vl", ("Qwen2_5_VLModel",)),
     VisionFamily("qwen3-vl", ("Qwen3VLModel",)),
     VisionFamily("qwen3-vl-moe", ("Qwen3VLMoeModel",)),
+    VisionFamily("qwen3.5", ("Qwen3_5Model",)),
+    VisionFamily("qwen3.5-moe", ("Qwen3_5MoeModel",)),
 )
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)

@@ -54,10 +54,45 @@ def _qwen3_vl_moe() -> nn.Module:
     return Qwen3VLMoeForConditionalGeneration(_eager(config))
 
 
+# Qwen3.5 testers' text (hybrid: one full-attention, one gated-delta-net layer) and vision (patch 16, merge 1).
+_QWEN3_5_TEXT = dict(_TESTER_TEXT, bos_token_id=0, eos_token_id=1, pad_token_id=2, hidden_act="silu", head_dim=32,
+                     intermediate_size=37, num_attention_heads=4, num_key_value_heads=2,
+                     layer_types=["full_attention", "linear_attention"], linear_conv_kernel_dim=2,
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4,
+                     linear_num_value_heads=8,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                      "mrope_interleaved": True})  # fmt: skip
+_QWEN3_5_VISION = dict(depth=2, in_channels=3, hidden_act="gelu_pytorch_tanh", intermediate_size=32, out_hidden_size=32,
+                       hidden_size=32, num_heads=4, patch_size=16, spatial_merge_size=1, temporal_patch_size=2,
+                       num_position_embeddings=16)  # fmt: skip
+
+
+def _qwen3_5() -> nn.Module:
+    """Qwen3.5: Qwen3_5VisionText2TextModelTester's sizes, untied."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    config = Qwen3_5Config(text_config=dict(_QWEN3_5_TEXT), vision_config=dict(_QWEN3_5_VISION),
+                           tie_word_embeddings=False, **_QWEN3_TOKENS)  # fmt: skip
+    return Qwen3_5ForConditionalGeneration(_eager(config))
+
+
+def _qwen3_5_moe() -> nn.Module:
+    """Qwen3.5-MoE: Qwen3_5MoeVisionText2TextModelTester's sizes (8 experts top-2, a shared expert), untied."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = dict(_QWEN3_5_TEXT, moe_intermediate_size=16, shared_expert_intermediate_size=36, num_experts_per_tok=2,
+                num_experts=8)  # fmt: skip
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=dict(_QWEN3_5_VISION), tie_word_embeddings=False,
+                              **_QWEN3_TOKENS)  # fmt: skip
+    return Qwen3_5MoeForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
         ("qwen3_vl_moe",), _qwen3_vl_moe, grid_pixels, image_token_id=3,
         source="tests/models/qwen3_vl_moe tester (mrope section shrunk to head_dim 8)",
     ),
+    TinyVlm(("qwen3_5",), _qwen3_5, grid_pixels, image_token_id=3, source="tests/models/qwen3_5 tester"),
+    TinyVlm(("qwen3_5_moe",), _qwen3_5_moe, grid_pixels, image_token_id=3, source="tests/models/qwen3_5_moe tester"),
 ]
