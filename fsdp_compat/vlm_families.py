@@ -124,6 +124,8 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen3-vl-moe", ("Qwen3VLMoeModel",)),
     VisionFamily("qwen3.5", ("Qwen3_5Model",)),
     VisionFamily("qwen3.5-moe", ("Qwen3_5MoeModel",)),
+    VisionFamily("glm-ocr", ("GlmOcrModel",)),
+    VisionFamily("glm5-next", ("Glm5NextModel",)),
 )
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)

@@ -87,6 +87,44 @@ def _qwen3_5_moe() -> nn.Module:
     return Qwen3_5MoeForConditionalGeneration(_eager(config))
 
 
+def _glm_ocr() -> nn.Module:
+    """GLM-OCR: GlmOcrVisionText2TextModelTester's sizes (patch 14, merge 1), untied."""
+    from transformers import GlmOcrConfig, GlmOcrForConditionalGeneration
+
+    text = dict(vocab_size=128, hidden_size=16, intermediate_size=22, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, hidden_act="silu", max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    vision = dict(depth=2, hidden_act="silu", hidden_size=48, num_heads=12, out_hidden_size=16, intermediate_size=22,
+                  patch_size=14, spatial_merge_size=1, temporal_patch_size=2)  # fmt: skip
+    config = GlmOcrConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, video_start_token_id=3,
+                          video_end_token_id=4, image_start_token_id=5, image_end_token_id=6, image_token_id=7,
+                          video_token_id=8)  # fmt: skip
+    return GlmOcrForConditionalGeneration(_eager(config))
+
+
+def _glm5_next() -> nn.Module:
+    """GLM-5-Next: Glm5NextVisionText2TextModelTester's sizes (one linear-attention and one MLA layer, dense then
+    8-expert MoE MLP, GLM-OCR vision at patch 14, merge 1); the vision projector's intermediate size (10240 by
+    default, absent from the tester's GLM-OCR vision config) shrunk to 16; untied."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    text = dict(vocab_size=128, hidden_size=48, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=16, hidden_act="silu", max_position_embeddings=512,
+                moe_intermediate_size=16, num_experts_per_tok=4, n_routed_experts=8, linear_num_heads=2,
+                linear_head_dim=16, linear_conv_kernel_dim=2, v_head_dim=16, qk_rope_head_dim=0,
+                qk_nope_head_dim=64, q_lora_rank=32, kv_lora_rank=16, mlp_layer_types=["dense", "sparse"],
+                layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    vision = dict(depth=2, hidden_act="silu", hidden_size=48, num_heads=2, out_hidden_size=48, intermediate_size=16,
+                  patch_size=14, spatial_merge_size=1, temporal_patch_size=2,
+                  projection_intermediate_size=16)  # fmt: skip
+    config = Glm5NextConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, video_start_token_id=3,
+                            video_end_token_id=4, image_start_token_id=5, image_end_token_id=6, image_token_id=7,
+                            video_token_id=8)  # fmt: skip
+    return Glm5NextForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
@@ -95,4 +133,9 @@ MODELS = [
     ),
     TinyVlm(("qwen3_5",), _qwen3_5, grid_pixels, image_token_id=3, source="tests/models/qwen3_5 tester"),
     TinyVlm(("qwen3_5_moe",), _qwen3_5_moe, grid_pixels, image_token_id=3, source="tests/models/qwen3_5_moe tester"),
+    TinyVlm(("glm_ocr",), _glm_ocr, grid_pixels, image_token_id=7, source="tests/models/glm_ocr tester"),
+    TinyVlm(
+        ("glm5_next",), _glm5_next, grid_pixels, image_token_id=7,
+        source="tests/models/glm5_next tester (vision projection_intermediate_size 10240 -> 16)",
+    ),
 ]
