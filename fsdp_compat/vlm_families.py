@@ -126,6 +126,7 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen3.5-moe", ("Qwen3_5MoeModel",)),
     VisionFamily("glm-ocr", ("GlmOcrModel",)),
     VisionFamily("glm5-next", ("Glm5NextModel",)),
+    VisionFamily("qwen2.5-omni-thinker", ("Qwen2_5OmniThinkerModel",)),
 )
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)

@@ -125,6 +125,34 @@ def _glm5_next() -> nn.Module:
     return Glm5NextForConditionalGeneration(_eager(config))
 
 
+_OMNI_NOTE = (
+    "images and videos only: the audio tower (input_features) is not aligned, so ranks must agree on having audio"
+)
+
+
+def _qwen2_5_omni_thinker() -> nn.Module:
+    """Qwen2.5-Omni thinker: Qwen2_5OmniThinkerForConditionalGenerationTester's sizes (patch 14, merge 1; the
+    tester's vision embed_dim 32 / mlp_ratio 4 as hidden 32 / intermediate 128; a 2-layer audio encoder), 2 text
+    layers instead of 4."""
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    vision = dict(depth=2, hidden_size=32, intermediate_size=128, out_hidden_size=32, hidden_act="quick_gelu",
+                  num_heads=4, patch_size=14, spatial_merge_size=1, temporal_patch_size=2)  # fmt: skip
+    audio = dict(model_type="qwen_omni_thinker_audio_encoder", d_model=32, encoder_attention_heads=4,
+                 encoder_ffn_dim=32, encoder_layers=2, num_mel_bins=20, max_source_positions=1500, n_window=100,
+                 output_dim=32)  # fmt: skip
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, hidden_act="silu", max_position_embeddings=1024, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
+                use_sliding_window=False)  # fmt: skip
+    config = Qwen2_5OmniThinkerConfig(audio_config=audio, vision_config=vision, text_config=text,
+                                      audio_token_index=1, image_token_index=2, video_token_index=3,
+                                      audio_start_token_id=4, audio_end_token_id=5, user_token_id=6,
+                                      vision_start_token_id=7, vision_end_token_id=8,
+                                      tie_word_embeddings=False)  # fmt: skip
+    return Qwen2_5OmniThinkerForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
@@ -137,5 +165,9 @@ MODELS = [
     TinyVlm(
         ("glm5_next",), _glm5_next, grid_pixels, image_token_id=7,
         source="tests/models/glm5_next tester (vision projection_intermediate_size 10240 -> 16)",
+    ),
+    TinyVlm(
+        ("qwen2_5_omni_thinker",), _qwen2_5_omni_thinker, grid_pixels, image_token_id=2, note=_OMNI_NOTE,
+        source="tests/models/qwen2_5_omni thinker tester (2 text layers, not 4)",
     ),
 ]
