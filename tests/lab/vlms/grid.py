@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from fsdp_compat.testing.zoo import _GLM_TOKENS, _GLM_VISION, glm4v_config
@@ -153,6 +154,62 @@ def _qwen2_5_omni_thinker() -> nn.Module:
     return Qwen2_5OmniThinkerForConditionalGeneration(_eager(config))
 
 
+def _qwen3_omni_moe_thinker() -> nn.Module:
+    """Qwen3-Omni-MoE thinker: Qwen3OmniMoeThinkerForConditionalGenerationTester's sizes (patch 16, merge 1,
+    deepstack at vision layer 1, 8 experts top-2, a 2-layer audio encoder), 2 text layers instead of 4."""
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    vision = dict(depth=2, hidden_act="quick_gelu", hidden_size=32, out_hidden_size=32, intermediate_size=24,
+                  num_heads=4, patch_size=16, spatial_merge_size=1, temporal_patch_size=2,
+                  deepstack_visual_indexes=[1])  # fmt: skip
+    audio = dict(d_model=32, encoder_attention_heads=4, encoder_ffn_dim=32, encoder_layers=2, num_mel_bins=20,
+                 max_source_positions=1500, downsample_hidden_size=32, n_window=50, output_dim=32,
+                 n_window_infer=100)  # fmt: skip
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, hidden_act="silu", max_position_embeddings=1024, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2],
+                                 "interleaved": True},
+                use_sliding_window=False, pad_token_id=0, moe_intermediate_size=32, num_experts_per_tok=2,
+                num_experts=8, decoder_sparse_step=1)  # fmt: skip
+    config = Qwen3OmniMoeThinkerConfig(audio_config=audio, vision_config=vision, text_config=text, audio_token_id=1,
+                                       image_token_id=2, video_token_id=3, position_id_per_seconds=13,
+                                       seconds_per_chunk=2, audio_start_token_id=4, audio_end_token_id=5,
+                                       user_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
+                                       tie_word_embeddings=False)  # fmt: skip
+    return Qwen3OmniMoeThinkerForConditionalGeneration(_eager(config))
+
+
+def grid_patch_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """:func:`lab.vlms.grid_pixels`' images with each patch as a small image, ``(patches, C, P, P)``
+    (PaddleOCR-VL's layout: no temporal patch)."""
+    vision = config.vision_config
+    merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
+    channels = int(getattr(vision, "num_channels", None) or 3)
+    grids = [[1, 2 * merge, 3 * merge] if i % 2 == 0 else [1, 3 * merge, 2 * merge] for i in range(n)]
+    patches = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(patches, channels, patch, patch, generator=g)
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor(grids)}
+
+
+def _paddleocr_vl() -> nn.Module:
+    """PaddleOCR-VL: PaddleOCRVLVisionText2TextModelTester's sizes (SigLIP-style tower, hidden 144, patch 14, merge
+    2; text head_dim 128), vocab 103424 -> 128, image token 10 (the tester's 100295 is beyond that vocab)."""
+    from transformers import PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration
+
+    text = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, vocab_size=128, head_dim=128, hidden_act="silu",
+                hidden_size=32, intermediate_size=32, max_position_embeddings=512, num_attention_heads=4,
+                num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-05, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
+                                 "mrope_section": [16, 24, 24]})  # fmt: skip
+    vision = dict(hidden_act="gelu_pytorch_tanh", hidden_size=144, intermediate_size=32, layer_norm_eps=1e-06,
+                  num_attention_heads=4, num_channels=3, num_hidden_layers=2, patch_size=14,
+                  spatial_merge_size=2)  # fmt: skip
+    config = PaddleOCRVLConfig(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
+                               vision_start_token_id=12, vision_end_token_id=13,
+                               tie_word_embeddings=False)  # fmt: skip
+    return PaddleOCRVLForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
@@ -169,5 +226,13 @@ MODELS = [
     TinyVlm(
         ("qwen2_5_omni_thinker",), _qwen2_5_omni_thinker, grid_pixels, image_token_id=2, note=_OMNI_NOTE,
         source="tests/models/qwen2_5_omni thinker tester (2 text layers, not 4)",
+    ),
+    TinyVlm(
+        ("qwen3_omni_moe_thinker",), _qwen3_omni_moe_thinker, grid_pixels, image_token_id=2, note=_OMNI_NOTE,
+        source="tests/models/qwen3_omni_moe thinker tester (2 text layers, not 4)",
+    ),
+    TinyVlm(
+        ("paddleocr_vl",), _paddleocr_vl, grid_patch_pixels,
+        source="tests/models/paddleocr_vl tester (vocab 103424 -> 128, special tokens 10-13)",
     ),
 ]
