@@ -143,6 +143,9 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen2.5-omni-thinker", ("Qwen2_5OmniThinkerModel",)),
     VisionFamily("qwen3-omni-moe-thinker", ("Qwen3OmniMoeThinkerModel",)),
     VisionFamily("paddleocr-vl", ("PaddleOCRVLModel",), ("pixel_values",), grid_patches_inputs),
+    VisionFamily("cosmos3-omni", ("Cosmos3OmniModel",)),
+    VisionFamily("hyperclovax-vision-v2", ("HyperCLOVAXVisionV2Model",), tower="vision_model"),
+    VisionFamily("exaone4.5", ("Exaone4_5_Model",)),
 )
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)

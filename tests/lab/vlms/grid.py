@@ -210,6 +210,57 @@ def _paddleocr_vl() -> nn.Module:
     return PaddleOCRVLForConditionalGeneration(_eager(config))
 
 
+def _cosmos3_omni() -> nn.Module:
+    """Cosmos3-Omni (Qwen3-VL text and vision sub-configs): Cosmos3OmniVisionText2TextModelTester's sizes (patch 16,
+    merge 1, deepstack at both vision layers), untied."""
+    from transformers import Cosmos3OmniConfig, Cosmos3OmniForConditionalGeneration
+
+    text = dict(_TESTER_TEXT, model_type="qwen3_vl_text", hidden_act="silu", num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})  # fmt: skip
+    text.pop("tie_word_embeddings")
+    vision = dict(model_type="qwen3_vl_vision", depth=2, hidden_size=32, intermediate_size=32, num_heads=4,
+                  out_hidden_size=32, in_channels=3, patch_size=16, spatial_merge_size=1, temporal_patch_size=2,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+                  hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    config = Cosmos3OmniConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, pad_token_id=0,
+                               **_QWEN3_TOKENS)  # fmt: skip
+    return Cosmos3OmniForConditionalGeneration(_eager(config))
+
+
+def _hyperclovax_vision_v2() -> nn.Module:
+    """HyperCLOVA X Vision V2 (HyperCLOVAX text, Qwen2.5-VL vision tower, a linear projector):
+    HCXVisionV2VisionText2TextModelTester's sizes (the shared VLM tester's text and vision widths; patch 14, merge 1,
+    out 32), untied; image token 3 (the shared tester's), video 4."""
+    from transformers import HyperCLOVAXVisionV2Config, HyperCLOVAXVisionV2ForConditionalGeneration
+
+    text = dict(_TESTER_TEXT, model_type="hyperclovax", hidden_act="gelu")
+    text.pop("tie_word_embeddings")
+    vision = dict(model_type="qwen2_5_vl_vision", depth=2, hidden_size=32, intermediate_size=32, num_heads=4,
+                  in_channels=3, patch_size=14, spatial_merge_size=1, temporal_patch_size=2, out_hidden_size=32,
+                  tokens_per_second=1)  # fmt: skip
+    config = HyperCLOVAXVisionV2Config(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
+                                       tie_word_embeddings=False)  # fmt: skip
+    return HyperCLOVAXVisionV2ForConditionalGeneration(_eager(config))
+
+
+def _exaone4_5() -> nn.Module:
+    """EXAONE 4.5 (EXAONE 4 text, a Qwen2.5-VL-style tower with grouped-query attention): Exaone4_5_ModelTester's
+    sizes (the shared VLM tester's widths, head_dim 8, patch 16, merge 1, out 32), untied."""
+    from transformers import Exaone4_5_Config, Exaone4_5_ForConditionalGeneration
+
+    text = dict(_TESTER_TEXT, model_type="exaone4", hidden_act="silu", num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8)  # fmt: skip
+    text.pop("tie_word_embeddings")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=32, hidden_act="silu", num_heads=4, num_key_value_heads=2,
+                  in_channels=3, patch_size=16, spatial_merge_size=1, temporal_patch_size=2,
+                  out_hidden_size=32)  # fmt: skip
+    config = Exaone4_5_Config(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
+                              tie_word_embeddings=False)  # fmt: skip
+    return Exaone4_5_ForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
@@ -235,4 +286,10 @@ MODELS = [
         ("paddleocr_vl",), _paddleocr_vl, grid_patch_pixels,
         source="tests/models/paddleocr_vl tester (vocab 103424 -> 128, special tokens 10-13)",
     ),
+    TinyVlm(("cosmos3_omni",), _cosmos3_omni, grid_pixels, image_token_id=3, source="tests/models/cosmos3_omni tester"),
+    TinyVlm(
+        ("hyperclovax_vision_v2",), _hyperclovax_vision_v2, grid_pixels, image_token_id=3,
+        source="tests/models/hyperclovax_vision_v2 tester",
+    ),
+    TinyVlm(("exaone4_5",), _exaone4_5, grid_pixels, image_token_id=3, source="tests/models/exaone4_5 tester"),
 ]
