@@ -146,6 +146,8 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("cosmos3-omni", ("Cosmos3OmniModel",)),
     VisionFamily("hyperclovax-vision-v2", ("HyperCLOVAXVisionV2Model",), tower="vision_model"),
     VisionFamily("exaone4.5", ("Exaone4_5_Model",)),
+    VisionFamily("cohere-compass", ("CohereCompassModel",)),
+    VisionFamily("qwen4-exp", ("Qwen4ExpModel",)),
 )
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)

@@ -261,6 +261,50 @@ def _exaone4_5() -> nn.Module:
     return Exaone4_5_ForConditionalGeneration(_eager(config))
 
 
+def _cohere_compass() -> nn.Module:
+    """Cohere Compass: CohereCompassModelTester's sizes (patch 16, merge 2, deepstack at vision layer 0; text head_dim
+    8 with per-layer-type rope, both layers full attention), vocab 64 -> 128, untied."""
+    from transformers import CohereCompassConfig, CohereCompassForConditionalGeneration
+
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, hidden_act="silu", pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, layer_types=["full_attention", "full_attention"],
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [1, 1, 2]}})  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, hidden_act="silu", num_heads=4, in_channels=3,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                  deepstack_visual_indexes=[0])  # fmt: skip
+    config = CohereCompassConfig(text_config=text, vision_config=vision, image_token_id=5, vision_start_token_id=6,
+                                 vision_end_token_id=7, video_token_id=8, tie_word_embeddings=False,
+                                 pad_token_id=0)  # fmt: skip
+    return CohereCompassForConditionalGeneration(_eager(config))
+
+
+def _qwen4_exp() -> nn.Module:
+    """Qwen4-Exp: Qwen4ExpVisionText2TextModelTester's sizes (a gated-delta-net and a sparse-attention layer,
+    4-expert MoE, hyper-connections, a PLE n-gram embedding; patch 16, merge 1), 2 vision layers instead of 1, vocab
+    99 -> 128, image token 3 (the shared VLM tester's)."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    text = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=24, hidden_act="silu", max_position_embeddings=512, tie_word_embeddings=False,
+                layer_types=["linear_attention", "qwen_sparse_attention"], linear_conv_kernel_dim=2,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                hc_count=2, hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=16, ple_conv_kernel_size=2,
+                ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=31, make_ngram_vocab_size_divisible_by=8,
+                split_ngram_parts=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                indexer_compress_ratio=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 1], "mrope_interleaved": True})  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=32, hidden_act="gelu_pytorch_tanh", num_heads=4,
+                  in_channels=3, patch_size=16, spatial_merge_size=1, temporal_patch_size=2, out_hidden_size=32,
+                  num_position_embeddings=16)  # fmt: skip
+    config = Qwen4ExpConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                            **_QWEN3_TOKENS)  # fmt: skip
+    return Qwen4ExpForConditionalGeneration(_eager(config))
+
+
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
@@ -292,4 +336,12 @@ MODELS = [
         source="tests/models/hyperclovax_vision_v2 tester",
     ),
     TinyVlm(("exaone4_5",), _exaone4_5, grid_pixels, image_token_id=3, source="tests/models/exaone4_5 tester"),
+    TinyVlm(
+        ("cohere_compass",), _cohere_compass, grid_pixels, image_token_id=5,
+        source="tests/models/cohere_compass tester (vocab 64 -> 128)",
+    ),
+    TinyVlm(
+        ("qwen4_exp",), _qwen4_exp, grid_pixels, image_token_id=3,
+        source="tests/models/qwen4_exp tester (2 vision layers, not 1; vocab 99 -> 128)",
+    ),
 ]
