@@ -127,7 +127,8 @@ def _glm5_next() -> nn.Module:
 
 
 _OMNI_NOTE = (
-    "images and videos only: the audio tower (input_features) is not aligned, so ranks must agree on having audio"
+    "images and videos only: the audio tower (input_features) gets no dummy, so ranks must agree on having audio "
+    "(not run here)"
 )
 
 
@@ -308,40 +309,65 @@ def _qwen4_exp() -> nn.Module:
 MODELS = [
     TinyVlm(("glm46v", "glmga"), _glm46v, grid_pixels, source="the zoo GLM4V's sizes (GLM4V's configs)"),
     TinyVlm(
-        ("qwen3_vl_moe",), _qwen3_vl_moe, grid_pixels, image_token_id=3,
+        ("qwen3_vl_moe",),
+        _qwen3_vl_moe,
+        grid_pixels,
+        image_token_id=3,
         source="tests/models/qwen3_vl_moe tester (mrope section shrunk to head_dim 8)",
     ),
     TinyVlm(("qwen3_5",), _qwen3_5, grid_pixels, image_token_id=3, source="tests/models/qwen3_5 tester"),
     TinyVlm(("qwen3_5_moe",), _qwen3_5_moe, grid_pixels, image_token_id=3, source="tests/models/qwen3_5_moe tester"),
     TinyVlm(("glm_ocr",), _glm_ocr, grid_pixels, image_token_id=7, source="tests/models/glm_ocr tester"),
     TinyVlm(
-        ("glm5_next",), _glm5_next, grid_pixels, image_token_id=7,
+        ("glm5_next",),
+        _glm5_next,
+        grid_pixels,
+        image_token_id=7,
         source="tests/models/glm5_next tester (vision projection_intermediate_size 10240 -> 16)",
     ),
     TinyVlm(
-        ("qwen2_5_omni_thinker",), _qwen2_5_omni_thinker, grid_pixels, image_token_id=2, note=_OMNI_NOTE,
+        ("qwen2_5_omni_thinker",),
+        _qwen2_5_omni_thinker,
+        grid_pixels,
+        image_token_id=2,
+        note=_OMNI_NOTE,
         source="tests/models/qwen2_5_omni thinker tester (2 text layers, not 4)",
     ),
     TinyVlm(
-        ("qwen3_omni_moe_thinker",), _qwen3_omni_moe_thinker, grid_pixels, image_token_id=2, note=_OMNI_NOTE,
+        ("qwen3_omni_moe_thinker",),
+        _qwen3_omni_moe_thinker,
+        grid_pixels,
+        image_token_id=2,
+        note=_OMNI_NOTE,
         source="tests/models/qwen3_omni_moe thinker tester (2 text layers, not 4)",
     ),
     TinyVlm(
-        ("paddleocr_vl",), _paddleocr_vl, grid_patch_pixels,
+        ("paddleocr_vl",),
+        _paddleocr_vl,
+        grid_patch_pixels,
         source="tests/models/paddleocr_vl tester (vocab 103424 -> 128, special tokens 10-13)",
     ),
     TinyVlm(("cosmos3_omni",), _cosmos3_omni, grid_pixels, image_token_id=3, source="tests/models/cosmos3_omni tester"),
     TinyVlm(
-        ("hyperclovax_vision_v2",), _hyperclovax_vision_v2, grid_pixels, image_token_id=3,
+        ("hyperclovax_vision_v2",),
+        _hyperclovax_vision_v2,
+        grid_pixels,
+        image_token_id=3,
         source="tests/models/hyperclovax_vision_v2 tester",
     ),
     TinyVlm(("exaone4_5",), _exaone4_5, grid_pixels, image_token_id=3, source="tests/models/exaone4_5 tester"),
     TinyVlm(
-        ("cohere_compass",), _cohere_compass, grid_pixels, image_token_id=5,
+        ("cohere_compass",),
+        _cohere_compass,
+        grid_pixels,
+        image_token_id=5,
         source="tests/models/cohere_compass tester (vocab 64 -> 128)",
     ),
     TinyVlm(
-        ("qwen4_exp",), _qwen4_exp, grid_pixels, image_token_id=3,
+        ("qwen4_exp",),
+        _qwen4_exp,
+        grid_pixels,
+        image_token_id=3,
         source="tests/models/qwen4_exp tester (2 vision layers, not 1; vocab 99 -> 128)",
     ),
 ]
