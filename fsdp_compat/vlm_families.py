@@ -24,6 +24,7 @@ __all__ = [
     "fixed_inputs",
     "grid_dummy",
     "grid_inputs",
+    "grid_patches_inputs",
     "sized_inputs",
     "tile_inputs",
 ]
@@ -114,6 +115,19 @@ def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
 
 # ------------------------------------------------------------------ patch grids (pixel_values + image_grid_thw)
 
+
+def grid_patches_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero patches as small images, ``(4 m^2, C, P, P)``, for one image of 2m x 2m patches and its
+    ``image_grid_thw`` (PaddleOCR-VL: its SigLIP-style tower embeds each patch with a convolution and has no
+    temporal patch, so :func:`grid_dummy`'s flattened rows do not fit; its projector merges m x m patches, and the
+    learned position table is interpolated to the grid, as in GLM4V: the same 2m x 2m smallest image)."""
+    vision = config.vision_config
+    merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
+    grid = torch.tensor([[1, 2 * merge, 2 * merge]], dtype=torch.long, device=device)
+    pixels = torch.zeros(4 * merge * merge, _channels(vision), patch, patch, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_grid_thw": grid}
+
+
 GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("glm4v", ("Glm4vModel",)),
     VisionFamily("glm4v-moe", ("Glm4vMoeModel",)),
@@ -122,6 +136,18 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen2.5-vl", ("Qwen2_5_VLModel",)),
     VisionFamily("qwen3-vl", ("Qwen3VLModel",)),
     VisionFamily("qwen3-vl-moe", ("Qwen3VLMoeModel",)),
+    VisionFamily("qwen3.5", ("Qwen3_5Model",)),
+    VisionFamily("qwen3.5-moe", ("Qwen3_5MoeModel",)),
+    VisionFamily("glm-ocr", ("GlmOcrModel",)),
+    VisionFamily("glm5-next", ("Glm5NextModel",)),
+    VisionFamily("qwen2.5-omni-thinker", ("Qwen2_5OmniThinkerModel",)),
+    VisionFamily("qwen3-omni-moe-thinker", ("Qwen3OmniMoeThinkerModel",)),
+    VisionFamily("paddleocr-vl", ("PaddleOCRVLModel",), ("pixel_values",), grid_patches_inputs),
+    VisionFamily("cosmos3-omni", ("Cosmos3OmniModel",)),
+    VisionFamily("hyperclovax-vision-v2", ("HyperCLOVAXVisionV2Model",), tower="vision_model"),
+    VisionFamily("exaone4.5", ("Exaone4_5_Model",)),
+    VisionFamily("cohere-compass", ("CohereCompassModel",)),
+    VisionFamily("qwen4-exp", ("Qwen4ExpModel",)),
 )
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)
