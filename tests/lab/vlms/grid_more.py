@@ -425,8 +425,9 @@ MODELS = [
     TinyVlm(("ernie4_5_vl_moe",), _ernie4_5_vl_moe, grid_pixels, image_token_id=7, extra=_ernie_moe_types,
             note="no row: the processor's moe_mm_token_type_ids send image tokens to the vision experts of every "
             "sparse text layer (Ernie4_5_VLMoeMoeBlock.vision_moe runs only when they mark a token), which a text "
-            "rank skips, so its text layers' reduce-scatters differ whatever the tower does: every rank raises the "
-            "mixed-batch FsdpCompatError naming the class, the ranks and the fix"),
+            "rank skips, so its text layers' reduce-scatters differ whatever the tower does (a tower-dummy row still "
+            "aborts in gloo, families524): every rank raises the mixed-batch FsdpCompatError naming the class, the "
+            "ranks and the fix"),
     TinyVlm(("kimi_k25",), _kimi_k25, conv_patch_pixels, image_token_id=3,
             source="tester (its kwargs over VLMModelTester's defaults)"),
     TinyVlm(("hunyuan_vl",), _hunyuan_vl, wide_grid_pixels, image_token_id=5),
