@@ -20,11 +20,15 @@ __all__ = [
     "FAMILIES",
     "DummyInputs",
     "VisionFamily",
+    "conv_grid_inputs",
     "family_named",
     "fixed_inputs",
     "grid_dummy",
+    "grid_hw_inputs",
     "grid_inputs",
     "grid_patches_inputs",
+    "merge_size_inputs",
+    "patch_grid_inputs",
     "sized_inputs",
     "tile_inputs",
 ]
@@ -152,7 +156,67 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
 
 # ------------------------------------------------------------------------- more patch-grid families (second set)
 
-MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = ()
+
+def conv_grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of one merged token, as ``(k_h * k_w, 3, p, p)`` patch images and its ``image_grid_thw``
+    ``[[1, k_h, k_w]]`` (Kimi K2.5: a Conv2d patch embedding over patch images, a learned position table resampled
+    to any grid, and a temporal merge into ``k_h x k_w`` kernels (``merge_kernel_size``), so one kernel of patches
+    is the smallest image that gives a feature)."""
+    vision = config.vision_config
+    kh, kw = (int(k) for k in vision.merge_kernel_size)
+    patch = int(vision.patch_size)
+    pixels = torch.zeros(kh * kw, 3, patch, patch, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, kh, kw]], dtype=torch.long, device=device)}
+
+
+def patch_grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """:func:`grid_inputs` for towers whose config spells the channels ``num_channels`` and may have no
+    ``temporal_patch_size`` (one frame per patch row; MuseGlimmer: ``patch_temporal``, ``merge_size``): zero
+    patches of one image of 2m x 2m patches and its ``image_grid_thw``. 2m per side, not m: HunYuanVL's patch
+    merger requires a merged grid of more than one row and column."""
+    vision = config.vision_config
+    merge = int(getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None) or 1)
+    temporal = int(getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1)
+    dim = _channels(vision) * temporal * int(vision.patch_size) ** 2
+    grid = torch.tensor([[1, 2 * merge, 2 * merge]], dtype=torch.long, device=device)
+    return {"pixel_values": torch.zeros(4 * merge * merge, dim, dtype=dtype, device=device), "image_grid_thw": grid}
+
+
+def merge_size_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero patch: ``image_grid_thw`` ``[[1, 1, 1]]`` and ``image_merge_sizes`` ``[1]`` (VideoLLaMA3: the merge
+    size is an input, per image, not a config value; a 1 x 1 grid merged 1 x 1 is one feature, the smallest image,
+    the one its own tester runs)."""
+    vision = config.vision_config
+    dim = _channels(vision) * int(vision.patch_size) ** 2
+    one = torch.ones(1, 3, dtype=torch.long, device=device)
+    return {"pixel_values": torch.zeros(1, dim, dtype=dtype, device=device), "image_grid_thw": one,
+            "image_merge_sizes": torch.ones(1, dtype=torch.long, device=device)}  # fmt: skip
+
+
+def grid_hw_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero patches of one image of 2 x 2 patches and its ``image_grid_hw`` ``[[2, 2]]`` (Nemotron-H Omni's RADIO
+    tower: patch rows with a per-image ``(h, w)``; the pixel shuffle by ``downsample_ratio`` 0.5 needs even sides,
+    so 2 x 2 patches, one feature, is the smallest image)."""
+    vision = config.vision_config
+    side = round(1 / float(config.downsample_ratio))
+    dim = _channels(vision) * int(vision.patch_size) ** 2
+    pixels = torch.zeros(side * side, dim, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]], dtype=torch.long, device=device)}
+
+
+MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = (
+    VisionFamily("kimi-k2.5", ("Kimi_K25Model",), dummy=conv_grid_inputs, tower="vision_tower"),
+    VisionFamily("hunyuan-vl", ("HunYuanVLModel",), ("pixel_values",), patch_grid_inputs, "vision_tower"),
+    VisionFamily("video-llama-3", ("VideoLlama3Model",), dummy=merge_size_inputs, tower="vision_model"),
+    VisionFamily("minimax-m3-vl", ("MiniMaxM3VLModel",), dummy=patch_grid_inputs, tower="vision_tower"),
+    VisionFamily("dots3-note", ("Dots3NoteModel",), dummy=patch_grid_inputs, tower="vision_tower"),
+    VisionFamily("lfm3-vl", ("Lfm3VlModel",), tower="vision_tower"),
+    VisionFamily("cosmos3-edge", ("Cosmos3EdgeModel",), dummy=patch_grid_inputs),
+    VisionFamily("hy-v4-vl", ("HYV4VLModel",), dummy=patch_grid_inputs, tower="vision_tower"),
+    VisionFamily("muse-glimmer", ("MuseGlimmerModel",), dummy=patch_grid_inputs, tower="vision_tower"),
+    VisionFamily("muse-spark", ("MuseSparkModel",), dummy=patch_grid_inputs, tower="vision_tower"),
+    VisionFamily("nemotron-h-omni", ("NemotronH_Omni_Reasoning_V3",), dummy=grid_hw_inputs, tower="vision_model"),
+)
 
 # ---------------------------------------------------------------------- fixed resolution (CLIP, SigLIP and kin)
 
