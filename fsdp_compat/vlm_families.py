@@ -134,6 +134,9 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("llava", "LlavaModel"),
     _fixed("gemma3", "Gemma3Model"),
     _fixed("paligemma", "PaliGemmaModel"),
+    _fixed("aya-vision", "AyaVisionModel"),
+    _fixed("cohere2-vision", "Cohere2VisionModel"),
+    _fixed("got-ocr2", "GotOcr2Model"),
 )
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)
