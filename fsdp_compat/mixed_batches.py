@@ -93,8 +93,9 @@ ENV_MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"
 MODES = ("sync", "always", "off")
 logger = logging.getLogger("fsdp_compat")
 
-# Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, ...).
-_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "vision")
+# Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, Video-LLaVA's
+# image_tower, ...).
+_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision")
 
 
 def mixed_batches_mode() -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "fixed_inputs",
     "grid_dummy",
     "grid_inputs",
+    "hybrid_inputs",
     "sized_inputs",
     "tile_inputs",
 ]
@@ -130,6 +131,18 @@ MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = ()
 
 # ---------------------------------------------------------------------- fixed resolution (CLIP, SigLIP and kin)
 
+
+def hybrid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image for each of DeepSeek-VL-Hybrid's two fixed-resolution towers, in one call: ``pixel_values``
+    at the SigLIP tower's ``image_size`` and ``high_res_pixel_values`` at the SAM tower's (each position table has
+    exactly one row per patch, and the aligner concatenates both towers' features token by token)."""
+    high = config.high_res_vision_config
+    return {
+        **fixed_inputs(config, device, dtype),
+        "high_res_pixel_values": torch.zeros(1, _channels(high), _side(high), _side(high), dtype=dtype, device=device),
+    }
+
+
 FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("llava", "LlavaModel"),
     _fixed("gemma3", "Gemma3Model"),
@@ -137,6 +150,9 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("aya-vision", "AyaVisionModel"),
     _fixed("cohere2-vision", "Cohere2VisionModel"),
     _fixed("got-ocr2", "GotOcr2Model"),
+    _fixed("deepseek-vl", "DeepseekVLModel", "vision_model"),
+    _fixed("janus", "JanusModel", "vision_model"),
+    _fixed("ovis2", "Ovis2Model"),
 )
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)
