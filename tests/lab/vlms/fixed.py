@@ -140,6 +140,26 @@ def _video_llava_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, to
     return {"pixel_values_images": fixed_pixels(config, g, n)["pixel_values"]}
 
 
+def _florence2() -> nn.Module:
+    from transformers import Florence2Config, Florence2ForConditionalGeneration
+
+    text = {"model_type": "bart", "vocab_size": 128, "max_position_embeddings": 64, "encoder_layers": 2,
+            "encoder_ffn_dim": 16, "encoder_attention_heads": 1, "decoder_layers": 2, "decoder_ffn_dim": 16,
+            "decoder_attention_heads": 1, "d_model": 16, "activation_function": "gelu", "dropout": 0.0,
+            "attention_dropout": 0.0, "activation_dropout": 0.0, "eos_token_id": 2, "bos_token_id": 0,
+            "pad_token_id": 1}  # fmt: skip
+    vision = {"drop_path_rate": 0.0, "patch_size": [7, 3], "depths": [1, 1], "patch_stride": [4, 2],
+              "patch_padding": [3, 1], "patch_prenorm": [False, True], "embed_dim": [16, 16], "num_heads": [1, 1],
+              "num_groups": [1, 1], "window_size": 12, "activation_function": "gelu", "projection_dim": 16}  # fmt: skip
+    config = Florence2Config(text_config=text, vision_config=vision, image_token_id=5, initializer_range=0.02)
+    return Florence2ForConditionalGeneration(_eager(config))
+
+
+def _florence2_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random 16 x 16 images (DaViT takes any size; its strides make 2 x 2 features of 16 x 16)."""
+    return {"pixel_values": torch.randn(n, 3, 16, 16, generator=g)}
+
+
 def _hybrid_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
     """``n`` random images at both towers' resolutions (``pixel_values``, ``high_res_pixel_values``)."""
     low, high = config.vision_config.image_size, config.high_res_vision_config.image_size
@@ -166,4 +186,10 @@ MODELS = [
             note="no row: images and videos run through two separate towers (image_tower, video_tower), and a row "
             "drives one tower's dummy (get_image_features), so a rank with videos against one without would still "
             "fall out of step; every rank raises the mixed-batch FsdpCompatError"),
+    TinyVlm(("florence2",), _florence2, _florence2_pixels, image_token_id=5,
+            source="tester, 2 encoder + 2 decoder layers and 2 DaViT stages (tester: 1 each), dropout 0; BART ties "
+            "its embeddings (no untied variant)",
+            note="no row: the features join BART's encoder input (the forward calls language_model.encoder, so a "
+            "hook on language_model never runs), and the tied BART embeddings leave even its all-image run 1.5e-08 "
+            "off; every rank raises the mixed-batch FsdpCompatError"),
 ]
