@@ -177,7 +177,7 @@ MODELS = [
     TinyVlm(("janus",), _janus, fixed_pixels, image_token_id=5),
     TinyVlm(("deepseek_vl_hybrid",), _deepseek_vl_hybrid, _hybrid_pixels, image_token_id=5,
             source="tester, 2 SigLIP layers (tester: 1), SAM initializer_range 0.02 (default 1e-10)",
-            note="no row: with `hybrid_inputs` the aligned image|text run trains, but 1.5e-11 off (the SAM tower's "
+            note="no row: with `hybrid_inputs` the aligned image/text run trains, but 1.5e-11 off (the SAM tower's "
             "patch-embed conv weight gradient), as is its all-image run with no dummy (2.9e-11): FSDP2's arithmetic, "
             "not exact parity; every rank raises the mixed-batch FsdpCompatError"),
     TinyVlm(("ovis2",), _ovis2, fixed_pixels, image_token_id=5),
