@@ -160,6 +160,30 @@ def _florence2_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torc
     return {"pixel_values": torch.randn(n, 3, 16, 16, generator=g)}
 
 
+def _inkling() -> nn.Module:
+    from transformers import InklingConfig, InklingForConditionalGeneration
+
+    text = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 16, "swa_num_attention_heads": 2, "swa_num_key_value_heads": 2,
+            "swa_head_dim": 16, "layer_types": ["hybrid_sliding", "hybrid"], "mlp_layer_types": ["dense", "sparse"],
+            "intermediate_size": 37, "moe_intermediate_size": 16, "n_routed_experts": 16, "num_experts_per_tok": 2,
+            "n_shared_experts": 1, "sliding_window_size": 16, "rel_extent": 64, "max_position_embeddings": 512,
+            "pad_token_id": 0, "tie_word_embeddings": False}  # fmt: skip
+    vision = {"patch_size": 5, "num_hidden_layers": 2, "num_channels": 3}
+    config = InklingConfig(text_config=text, vision_config=vision,
+                           audio_config={"hidden_size": 32, "n_mel_bins": 4, "mel_vocab_size": 8}, image_token_id=5,
+                           audio_token_id=8, image_bos_token_id=6, audio_bos_token_id=7,
+                           tie_word_embeddings=False)  # fmt: skip
+    return InklingForConditionalGeneration(_eager(config))
+
+
+def _inkling_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random packed patches ``(n, T, P, P, C)``: one patch, one placeholder token, per image."""
+    vision = config.vision_config
+    shape = (n, vision.temporal_patch_size, vision.patch_size, vision.patch_size, vision.num_channels)
+    return {"pixel_values": torch.randn(*shape, generator=g)}
+
+
 def _hybrid_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
     """``n`` random images at both towers' resolutions (``pixel_values``, ``high_res_pixel_values``)."""
     low, high = config.vision_config.image_size, config.high_res_vision_config.image_size
@@ -186,6 +210,9 @@ MODELS = [
             note="no row: images and videos run through two separate towers (image_tower, video_tower), and a row "
             "drives one tower's dummy (get_image_features), so a rank with videos against one without would still "
             "fall out of step; every rank raises the mixed-batch FsdpCompatError"),
+    TinyVlm(("inkling_mm_model",), _inkling, _inkling_pixels, image_token_id=5,
+            source="tester (InklingVision2TextModelTester; text as InklingTextModelTester: hybrid_sliding + hybrid "
+            "layers, dense + sparse MLPs), 2 of 16 experts per token; needs scipy (transformers' Inkling tower)"),
     TinyVlm(("florence2",), _florence2, _florence2_pixels, image_token_id=5,
             source="tester, 2 encoder + 2 decoder layers and 2 DaViT stages (tester: 1 each), dropout 0; BART ties "
             "its embeddings (no untied variant)",
