@@ -144,6 +144,12 @@ _IMAGE_ALWAYS = ("its forward runs the tower on every call ({}): a micro-batch w
 #: Notes of the zoo's own family models, and of families no tiny model can run image|text (lab.vlms models carry
 #: theirs as ``TinyVlm.note``).
 _ZOO_NOTES = {
+    "llama4": "no tiny model: transformers 5.24's Llama4ForConditionalGeneration.forward raises AttributeError "
+    "('MoeCausalLMOutputWithPast' object has no attribute 'image_outputs') whenever it returns a dict (the default); "
+    "at run time the mixed-batch FsdpCompatError (untested here)",
+    **dict.fromkeys(("perception_lm", "fast_vlm", "gemma3n"), "no tiny model: its tower is a timm model, and timm "
+                    "(with torchvision) is not in families524's deps; at run time the mixed-batch FsdpCompatError "
+                    "(untested here)"),
     "blip": _IMAGE_ALWAYS.format("the text decoder cross-attends the image embeddings"),
     "blip-2": _IMAGE_ALWAYS.format("get_image_features unconditionally, pixel_values is required"),
     "kosmos-2": _IMAGE_ALWAYS.format("ValueError without pixel_values or image_embeds"),
