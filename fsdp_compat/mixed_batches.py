@@ -93,8 +93,9 @@ ENV_MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"
 MODES = ("sync", "always", "off")
 logger = logging.getLogger("fsdp_compat")
 
-# Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, ...).
-_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "vision")
+# Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, Video-LLaVA's
+# image_tower, ...).
+_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision")
 
 
 def mixed_batches_mode() -> str:
@@ -234,13 +235,22 @@ def _exchange(ranks: tuple[int, ...], value: int) -> dict[int, int]:
 _OUTSIDE = -1  # exchanged by a rank that is calling the tower outside the model's forward
 
 
+#: The tower's own outputs, which a forward that reads ``pooler_output`` (the projected features) never reads: a
+#: SigLIP tower's ``last_hidden_state`` has passed its ``post_layernorm``, which the features of an earlier layer
+#: (Aya Vision's ``hidden_states[-1]``) skip; a zero term on it would give that norm a gradient on the dummy's rank
+#: only (a reduce-scatter of another size).
+_ENCODER_FIELDS = ("last_hidden_state", "hidden_states", "attentions")
+
+
 def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
             yield value
     elif isinstance(value, dict):
-        for v in value.values():
-            yield from _floating_tensors(v)
+        features = getattr(value, "pooler_output", None) is not None or value.get("pooler_output") is not None
+        for k, v in value.items():
+            if not (features and k in _ENCODER_FIELDS):
+                yield from _floating_tensors(v)
         if "pooler_output" not in value:  # set as a plain attribute on an output without that field (Mistral3 5.10)
             yield from _floating_tensors(getattr(value, "pooler_output", None))
     elif isinstance(value, (list, tuple)):

@@ -27,8 +27,10 @@ __all__ = [
     "grid_hw_inputs",
     "grid_inputs",
     "grid_patches_inputs",
+    "hybrid_inputs",
     "merge_size_inputs",
     "patch_grid_inputs",
+    "patch_inputs",
     "sized_inputs",
     "tile_inputs",
 ]
@@ -220,10 +222,37 @@ MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = (
 
 # ---------------------------------------------------------------------- fixed resolution (CLIP, SigLIP and kin)
 
+
+def patch_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero packed patch, ``(1, T, P, P, C)`` (Inkling: ``pixel_values`` are patches of temporal x patch x patch
+    pixels, which the tower folds into one token each, on its own, so one patch is the smallest input)."""
+    vision = config.vision_config
+    shape = (1, int(vision.temporal_patch_size), int(vision.patch_size), int(vision.patch_size), _channels(vision))
+    return {"pixel_values": torch.zeros(*shape, dtype=dtype, device=device)}
+
+
+def hybrid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image for each of DeepSeek-VL-Hybrid's two fixed-resolution towers, in one call: ``pixel_values``
+    at the SigLIP tower's ``image_size`` and ``high_res_pixel_values`` at the SAM tower's (each position table has
+    exactly one row per patch, and the aligner concatenates both towers' features token by token)."""
+    high = config.high_res_vision_config
+    return {
+        **fixed_inputs(config, device, dtype),
+        "high_res_pixel_values": torch.zeros(1, _channels(high), _side(high), _side(high), dtype=dtype, device=device),
+    }
+
+
 FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("llava", "LlavaModel"),
     _fixed("gemma3", "Gemma3Model"),
     _fixed("paligemma", "PaliGemmaModel"),
+    _fixed("aya-vision", "AyaVisionModel"),
+    _fixed("cohere2-vision", "Cohere2VisionModel"),
+    _fixed("got-ocr2", "GotOcr2Model"),
+    _fixed("deepseek-vl", "DeepseekVLModel", "vision_model"),
+    _fixed("janus", "JanusModel", "vision_model"),
+    _fixed("ovis2", "Ovis2Model"),
+    VisionFamily("inkling", ("InklingModel",), ("pixel_values",), patch_inputs, "vision_tower"),
 )
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)

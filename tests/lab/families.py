@@ -138,10 +138,24 @@ _KINDS = {"grid_inputs": "patch grid", "fixed_inputs": "fixed resolution", "size
           "tile_inputs": "tiles (Idefics3)"}  # fmt: skip
 
 
-#: Notes of the zoo's own family models (lab.vlms models carry theirs as ``TinyVlm.note``).
+_IMAGE_ALWAYS = ("its forward runs the tower on every call ({}): a micro-batch without pixel_values fails in the "
+                 "model itself, so no text-only micro-batch, and no mixed batch, exists to align")
+
+#: Notes of the zoo's own family models, and of families no tiny model can run image|text (lab.vlms models carry
+#: theirs as ``TinyVlm.note``).
 _ZOO_NOTES = {
-    "vipllava": "no row yet (CLIP read at two layers; `fixed_inputs` would likely fit, untested): every rank raises "
-    "the mixed-batch FsdpCompatError naming the class, the ranks and the fix (families524, core)",
+    "llama4": "no tiny model: transformers 5.24's Llama4ForConditionalGeneration.forward raises AttributeError "
+    "('MoeCausalLMOutputWithPast' object has no attribute 'image_outputs') whenever it returns a dict (the default); "
+    "at run time the mixed-batch FsdpCompatError (untested here)",
+    **dict.fromkeys(("perception_lm", "fast_vlm", "gemma3n"), "no tiny model: its tower is a timm model, and timm "
+                    "(with torchvision) is not in families524's deps; at run time the mixed-batch FsdpCompatError "
+                    "(untested here)"),
+    "blip": _IMAGE_ALWAYS.format("the text decoder cross-attends the image embeddings"),
+    "blip-2": _IMAGE_ALWAYS.format("get_image_features unconditionally, pixel_values is required"),
+    "kosmos-2": _IMAGE_ALWAYS.format("ValueError without pixel_values or image_embeds"),
+    "vipllava": "no row: with `fixed_inputs` the aligned image/text run trains, but 5.2e-08 off (the projector's "
+    "linear_2.bias gradient), as is its all-image run with no dummy (6.7e-08): FSDP2's arithmetic, not exact parity; "
+    "every rank raises the mixed-batch FsdpCompatError naming the class, the ranks and the fix (families524, core)",
 }
 
 
