@@ -20,6 +20,7 @@ __all__ = [
     "FAMILIES",
     "DummyInputs",
     "VisionFamily",
+    "anyres_inputs",
     "family_named",
     "fixed_inputs",
     "grid_dummy",
@@ -138,10 +139,28 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)
 
+
+def anyres_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of the smallest ``image_grid_pinpoints`` resolution and its ``image_sizes`` (LLaVA-Next,
+    LLaVA-OneVision: the forward cuts ``pixel_values`` to the tile count it derives from ``image_sizes``, the base
+    tile plus the pinpoint's (h / S) x (w / S) tiles; an image of exactly the smallest pinpoint picks that pinpoint,
+    so no image takes fewer tiles): ``(1, 1 + tiles, C, S, S)``."""
+    vision = config.vision_config
+    side = _side(vision)
+    height, width = min((int(h), int(w)) for h, w in config.image_grid_pinpoints)
+    tiles = 1 + (-(-height // side)) * (-(-width // side))
+    pixels = torch.zeros(1, tiles, _channels(vision), side, side, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]], dtype=torch.long, device=device)}
+
+
 TILED_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("mistral3", ("Mistral3Model",), ("pixel_values",), sized_inputs, "vision_tower"),
     VisionFamily("idefics3", ("Idefics3Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
     VisionFamily("smolvlm", ("SmolVLMModel",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
+    _fixed("internvl", "InternVLModel"),  # tiles of the tower's fixed image_size, one per row of pixel_values
+    VisionFamily("llava_next", ("LlavaNextModel",), ("pixel_values",), anyres_inputs, "vision_tower"),
+    VisionFamily("llava_onevision", ("LlavaOnevisionModel",), dummy=anyres_inputs, tower="vision_tower"),
+    VisionFamily("llava_next_video", ("LlavaNextVideoModel",), dummy=anyres_inputs, tower="vision_tower"),
 )
 
 # ------------------------------------------------------------------------------------------------- other shapes
