@@ -218,9 +218,9 @@ def pooled_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict
 
 
 def sam_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One zero global view at the SAM encoder's ``image_size`` and no local patches, ``(1, C, S, S)`` (DeepSeek-OCR-2:
-    SAM's absolute positions are one per patch of that size; the local views, when given, are a second tower call
-    of the same kind)."""
+    """One zero global view at the SAM encoder's ``image_size`` and no local patches, ``(1, C, S, S)`` (DeepSeek-OCR-2,
+    Unlimited-OCR: SAM's absolute positions are one per patch of that size; the local views, when given, are a second
+    tower call of the same kind)."""
     sam = config.vision_config.sam_config
     side = _side(sam)
     return {"pixel_values": torch.zeros(1, _channels(sam), side, side, dtype=dtype, device=device)}
@@ -247,6 +247,8 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("aria", "AriaModel"),  # the pixel_mask is optional: no mask is an all-valid image
     VisionFamily("molmo2", ("Molmo2Model",), dummy=pooled_inputs, tower="vision_tower"),
     VisionFamily("deepseek_ocr2", ("DeepseekOcr2Model",), ("pixel_values", "pixel_values_local"), sam_inputs,
+                 "vision_tower"),
+    VisionFamily("unlimited_ocr", ("UnlimitedOcrModel",), ("pixel_values", "pixel_values_local"), sam_inputs,
                  "vision_tower"),
 )
 

@@ -524,3 +524,26 @@ MODELS += [
             "MoE text hidden 128: 145 tokens an image), global views only; SAM initializer_range 0.02, not its "
             "default 1e-10 (with it one SAM qkv bias gradient was 8.97e-43, a denormal, off the reference)"),
 ]
+
+
+def _unlimited_ocr() -> nn.Module:
+    from transformers import UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
+
+    sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, num_channels=3,
+               image_size=16, patch_size=2, hidden_act="gelu", mlp_ratio=4.0, mlp_dim=128, window_size=4,
+               global_attn_indexes=[1], downsample_channels=[32, 64], initializer_range=0.02)  # fmt: skip
+    encoder = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1.0)  # fmt: skip
+    text = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, tie_word_embeddings=False,
+                bos_token_id=2, eos_token_id=3, pad_token_id=4, n_routed_experts=8, n_shared_experts=1,
+                mlp_layer_types=["dense", "sparse"], moe_intermediate_size=64, num_experts_per_tok=2)  # fmt: skip
+    config = UnlimitedOcrConfig(vision_config=dict(sam_config=sam, encoder_config=encoder), text_config=text,
+                                image_token_id=IMAGE, tie_word_embeddings=False)  # fmt: skip
+    return UnlimitedOcrForConditionalGeneration(_eager(config))
+
+
+MODELS += [
+    TinyVlm(("unlimited_ocr",), _unlimited_ocr, sam_pixels, IMAGE, source="tester (SAM hidden 32, encoder hidden 64, "
+            "MoE text hidden 128), global views only; SAM initializer_range 0.02 as for DeepSeek-OCR-2"),
+]
