@@ -250,6 +250,7 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
                  "vision_tower"),
     VisionFamily("unlimited_ocr", ("UnlimitedOcrModel",), ("pixel_values", "pixel_values_local"), sam_inputs,
                  "vision_tower"),
+    VisionFamily("step3p7", ("Step3p7Model",), ("pixel_values", "pixel_values_local"), fixed_inputs, "vision_model"),
 )
 
 # ------------------------------------------------------------------------------------------------- other shapes

@@ -547,3 +547,27 @@ MODELS += [
     TinyVlm(("unlimited_ocr",), _unlimited_ocr, sam_pixels, IMAGE, source="tester (SAM hidden 32, encoder hidden 64, "
             "MoE text hidden 128), global views only; SAM initializer_range 0.02 as for DeepSeek-OCR-2"),
 ]
+
+
+# ------------------------------------------------------------------ Step3p7 (fixed size, optional local patches)
+
+
+def _step3p7() -> nn.Module:
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=4, max_position_embeddings=16)  # fmt: skip
+    text = dict(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8, share_expert_dim=8, layer_types=["full_attention", "full_attention"],
+                mlp_layer_types=["dense", "sparse"], max_position_embeddings=512, pad_token_id=0, sliding_window=16,
+                tie_word_embeddings=False)  # fmt: skip
+    config = Step3p7Config(vision_config=vision, text_config=text, image_token_id=IMAGE, tie_word_embeddings=False)
+    return Step3p7ForConditionalGeneration(_eager(config))
+
+
+MODELS += [
+    TinyVlm(("step3p7",), _step3p7, fixed_pixels, IMAGE,
+            source="tester's sizes (hidden 16, 16 px images of 4 px patches: one token; MoE text of 4 experts) on "
+            "5.24's config classes (the stored tester is for another config layout), 2 vision layers"),
+]
