@@ -235,22 +235,13 @@ def _exchange(ranks: tuple[int, ...], value: int) -> dict[int, int]:
 _OUTSIDE = -1  # exchanged by a rank that is calling the tower outside the model's forward
 
 
-#: The tower's own outputs, which a forward that reads ``pooler_output`` (the projected features) never reads: a
-#: SigLIP tower's ``last_hidden_state`` has passed its ``post_layernorm``, which the features of an earlier layer
-#: (Aya Vision's ``hidden_states[-1]``) skip; a zero term on it would give that norm a gradient on the dummy's rank
-#: only (a reduce-scatter of another size).
-_ENCODER_FIELDS = ("last_hidden_state", "hidden_states", "attentions")
-
-
 def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         if value.is_floating_point():
             yield value
     elif isinstance(value, dict):
-        features = getattr(value, "pooler_output", None) is not None or value.get("pooler_output") is not None
-        for k, v in value.items():
-            if not (features and k in _ENCODER_FIELDS):
-                yield from _floating_tensors(v)
+        for v in value.values():
+            yield from _floating_tensors(v)
         if "pooler_output" not in value:  # set as a plain attribute on an output without that field (Mistral3 5.10)
             yield from _floating_tensors(getattr(value, "pooler_output", None))
     elif isinstance(value, (list, tuple)):
@@ -258,10 +249,31 @@ def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _floating_tensors(v)
 
 
+# What a transformers 5 forward reads from ``get_image_features``: the projected features, and the per-layer
+# features of the deepstack models (Qwen3-VL, Granite 4 Vision, Granite Docling).
+_USED_FEATURES = ("pooler_output", "deepstack_features")
+
+
+def _used_features(value: Any) -> Any:
+    """The part of a ``get_image_features`` output that the forward consumes: its :data:`_USED_FEATURES` where it has
+    any, else all of it. The tower's own ``last_hidden_state`` / ``hidden_states`` may run through layers and norms
+    the features skip (LLaVA's ``vision_feature_layer=-2`` leaves the last layer out, Aria never reads the post-norm):
+    a zero through them would give those parameters a gradient on the dummy rank only, and FSDP2's reduce-scatters
+    would differ in size."""
+    if isinstance(value, (torch.Tensor, list, tuple)):
+        return value
+    used = [getattr(value, name, None) for name in _USED_FEATURES]
+    if isinstance(value, dict):
+        used = [u if u is not None else value.get(name) for u, name in zip(used, _USED_FEATURES, strict=True)]
+    used = [u for u in used if u is not None]
+    return used or value
+
+
 def _zero_of(value: Any) -> torch.Tensor | None:
-    """``0.0 * sum`` of every floating tensor in ``value`` (None if there is none): joins the graph, adds nothing."""
+    """``0.0 * sum`` of every floating tensor of the features in ``value`` (:func:`_used_features`; None if there is
+    none): joins the graph where the real features do, adds nothing."""
     zero = None
-    for t in _floating_tensors(value):
+    for t in _floating_tensors(_used_features(value)):
         term = t.sum() * 0.0
         zero = term if zero is None else zero + term
     return zero
@@ -652,13 +664,18 @@ def _inputs_embeds(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 # --------------------------------------------------------------------------------------- VLMs outside the table
 
 
+# Vision inputs not named pixel_values*: Pix2Struct-style patches (Kosmos-2.5).
+_OTHER_VISION_ARGS = ("flattened_patches",)
+
+
 def _unknown_vlm(model: nn.Module, mode: str) -> MixedBatches | None:
-    """A model that takes ``pixel_values*`` and has a vision tower, but no row in :data:`FAMILIES`."""
+    """A model that takes ``pixel_values*`` (or :data:`_OTHER_VISION_ARGS`) and has a vision tower, but no row in
+    :data:`FAMILIES`."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return None
-    pixel_args = tuple(name for name in parameters if name.startswith("pixel_values"))
+    pixel_args = tuple(name for name in parameters if name.startswith("pixel_values") or name in _OTHER_VISION_ARGS)
     if not pixel_args:
         return None
     for path, module in model.named_modules():

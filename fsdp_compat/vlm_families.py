@@ -20,6 +20,7 @@ __all__ = [
     "FAMILIES",
     "DummyInputs",
     "VisionFamily",
+    "anyres_inputs",
     "conv_grid_inputs",
     "family_named",
     "fixed_inputs",
@@ -28,9 +29,15 @@ __all__ = [
     "grid_inputs",
     "grid_patches_inputs",
     "hybrid_inputs",
+    "masked_tile_inputs",
     "merge_size_inputs",
+    "naflex_inputs",
+    "packed_inputs",
     "patch_grid_inputs",
     "patch_inputs",
+    "pooled_inputs",
+    "positioned_inputs",
+    "sam_inputs",
     "sized_inputs",
     "tile_inputs",
 ]
@@ -257,10 +264,112 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)
 
+
+def anyres_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of the smallest-area ``image_grid_pinpoints`` resolution and its ``image_sizes`` (LLaVA-Next,
+    LLaVA-OneVision: the forward cuts ``pixel_values`` to the tile count it derives from ``image_sizes``, the base
+    tile plus the pinpoint's (h / S) x (w / S) tiles; an image of exactly the smallest pinpoint picks that pinpoint,
+    so no image takes fewer tiles): ``(1, 1 + tiles, C, S, S)``."""
+    vision = config.vision_config
+    side = _side(vision)
+    height, width = min(((int(h), int(w)) for h, w in config.image_grid_pinpoints), key=lambda hw: (hw[0] * hw[1], hw))
+    tiles = 1 + (-(-height // side)) * (-(-width // side))
+    pixels = torch.zeros(1, tiles, _channels(vision), side, side, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]], dtype=torch.long, device=device)}
+
+
+def positioned_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of k x k patches (k = ``pooling_kernel_size``) as patch rows with their (x, y)
+    ``image_position_ids`` (Gemma4: the tower average-pools k x k patches into one token, so k x k patches are its
+    one-token image; padding is marked by position -1, not by zero pixels): ``(1, k * k, C * p * p)``."""
+    vision = config.vision_config
+    k, patch = int(vision.pooling_kernel_size), int(vision.patch_size)
+    pixels = torch.zeros(1, k * k, _channels(vision) * patch * patch, dtype=dtype, device=device)
+    xy = torch.arange(k * k, device=device)
+    positions = torch.stack((xy % k, xy // k), dim=-1).unsqueeze(0)
+    return {"pixel_values": pixels, "image_position_ids": positions}
+
+
+def naflex_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of f x f patches (f = ``downsample_factor``) as patch rows, with its ``spatial_shapes`` and an
+    all-valid ``pixel_attention_mask`` (LFM2-VL's SigLIP2 naflex tower: any patch grid, its positions resized to it;
+    the projector unshuffles f x f patches into one token, so f x f patches are the one-token image; padding is the
+    mask, not zero pixels): ``(1, f * f, C * p * p)``."""
+    vision = config.vision_config
+    f, patch = int(config.downsample_factor), int(vision.patch_size)
+    pixels = torch.zeros(1, f * f, _channels(vision) * patch * patch, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "spatial_shapes": torch.tensor([[f, f]], dtype=torch.long, device=device),
+            "pixel_attention_mask": torch.ones(1, f * f, dtype=torch.long, device=device)}  # fmt: skip
+
+
+def masked_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero tile of one image and the ``pixel_attention_mask`` that marks it real, ``(1, 1, C, S, S)`` and
+    ``(1, 1)`` (Granite Docling: tiles at the tower's ``image_size``; padding tiles are the mask's False, not zero
+    pixels, and the mask is required)."""
+    vision = config.vision_config
+    side = _side(vision)
+    pixels = torch.zeros(1, 1, _channels(vision), side, side, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool, device=device)}
+
+
+def packed_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of m x m patches, NaViT-packed as ``(1, C, p, m * m * p)``, and its ``target_sizes`` (MiniCPM-V
+    4.6 / 4.7 / OCR: any patch grid, positions looked up per grid; the tower's window merger and then the merger
+    each fold 2 x 2 patches, so m = window kernel x merge kernel ** merger_times patches make one token)."""
+    vision = config.vision_config
+    window, merge = vision.window_kernel_size, config.merge_kernel_size
+    times, patch = int(config.merger_times), int(vision.patch_size)
+    height = int(window[0]) * int(merge[0]) ** times
+    width = int(window[1]) * int(merge[1]) ** times
+    pixels = torch.zeros(1, _channels(vision), patch, height * width * patch, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "target_sizes": torch.tensor([[height, width]], dtype=torch.int32, device=device)}
+
+
+def pooled_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero crop (the tower's fixed patch count, ``num_position_embeddings``), ``(1, P, C * p * p)``, pooled into
+    one token from its first patch (``image_token_pooling`` ``[[0]]``), and its ``image_grids`` ``[[1, 1, 0, 0]]``
+    (Molmo2: the adapter pools any patch index list into a token; one crop is the smallest input the tower takes)."""
+    vision = config.vision_config
+    patches, patch = int(vision.num_position_embeddings), int(vision.patch_size)
+    pixels = torch.zeros(1, patches, _channels(vision) * patch * patch, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_token_pooling": torch.zeros(1, 1, dtype=torch.long, device=device),
+            "image_grids": torch.tensor([[1, 1, 0, 0]], dtype=torch.long, device=device)}  # fmt: skip
+
+
+def sam_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero global view at the SAM encoder's ``image_size`` and no local patches, ``(1, C, S, S)`` (DeepSeek-OCR-2,
+    Unlimited-OCR: SAM's absolute positions are one per patch of that size; the local views, when given, are a second
+    tower call of the same kind)."""
+    sam = config.vision_config.sam_config
+    side = _side(sam)
+    return {"pixel_values": torch.zeros(1, _channels(sam), side, side, dtype=dtype, device=device)}
+
+
 TILED_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("mistral3", ("Mistral3Model",), ("pixel_values",), sized_inputs, "vision_tower"),
     VisionFamily("idefics3", ("Idefics3Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
     VisionFamily("smolvlm", ("SmolVLMModel",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
+    _fixed("internvl", "InternVLModel"),  # tiles of the tower's fixed image_size, one per row of pixel_values
+    VisionFamily("llava_next", ("LlavaNextModel",), ("pixel_values",), anyres_inputs, "vision_tower"),
+    VisionFamily("llava_onevision", ("LlavaOnevisionModel",), dummy=anyres_inputs, tower="vision_tower"),
+    VisionFamily("llava_next_video", ("LlavaNextVideoModel",), dummy=anyres_inputs, tower="vision_tower"),
+    VisionFamily("gemma4", ("Gemma4Model",), dummy=positioned_inputs, tower="vision_tower"),
+    VisionFamily("lfm2_vl", ("Lfm2VlModel",), ("pixel_values",), naflex_inputs, "vision_tower"),
+    VisionFamily("lighton_ocr", ("LightOnOcrModel",), ("pixel_values",), sized_inputs, "vision_encoder"),
+    VisionFamily("mistral_large4", ("MistralLarge4Model",), ("pixel_values",), sized_inputs, "vision_tower"),
+    VisionFamily("granite_docling", ("GraniteDoclingModel",), ("pixel_values",), masked_tile_inputs, "vision_model",
+                 "text_model"),
+    _fixed("qianfan_ocr", "QianfanOCRModel"),  # InternVL's tiles
+    VisionFamily("minicpmv4_6", ("MiniCPMV4_6Model",), dummy=packed_inputs, tower="vision_tower"),
+    VisionFamily("minicpm_ocr", ("MiniCPMOcrModel",), dummy=packed_inputs, tower="vision_tower"),
+    VisionFamily("minicpmv4_7", ("MiniCPMV4_7Model",), dummy=packed_inputs, tower="vision_tower"),
+    _fixed("aria", "AriaModel"),  # the pixel_mask is optional: no mask is an all-valid image
+    VisionFamily("molmo2", ("Molmo2Model",), dummy=pooled_inputs, tower="vision_tower"),
+    VisionFamily("deepseek_ocr2", ("DeepseekOcr2Model",), ("pixel_values", "pixel_values_local"), sam_inputs,
+                 "vision_tower"),
+    VisionFamily("unlimited_ocr", ("UnlimitedOcrModel",), ("pixel_values", "pixel_values_local"), sam_inputs,
+                 "vision_tower"),
+    VisionFamily("step3p7", ("Step3p7Model",), ("pixel_values", "pixel_values_local"), fixed_inputs, "vision_model"),
 )
 
 # ------------------------------------------------------------------------------------------------- other shapes
