@@ -407,8 +407,9 @@ def _llava() -> nn.Module:
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=_LLAVA_IMAGE, patch_size=8, projection_dim=32)  # fmt: skip
     text = dict(_QWEN2, model_type="qwen2", **_rope(10000.0))
+    # vision_feature_layer -2, LLaVA's default: the features skip the tower's last layer, which then has no gradient
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=10, image_seq_length=4,
-                         vision_feature_layer=-1, tie_word_embeddings=False)  # fmt: skip
+                         vision_feature_layer=-2, tie_word_embeddings=False)  # fmt: skip
     config._attn_implementation = "eager"
     return LlavaForConditionalGeneration(config)
 

@@ -134,8 +134,26 @@ def family_status(found: DiscoveredVlm) -> str:
     return STATUSES[2] if zoo else STATUSES[3]
 
 
-_KINDS = {"grid_inputs": "patch grid", "fixed_inputs": "fixed resolution", "sized_inputs": "image_sizes (Pixtral)",
-          "tile_inputs": "tiles (Idefics3)"}  # fmt: skip
+_KINDS = {
+    "grid_inputs": "patch grid",
+    "grid_patches_inputs": "patch grid, patches as images",
+    "conv_grid_inputs": "patch grid, patches as images (Kimi)",
+    "patch_grid_inputs": "patch grid",
+    "merge_size_inputs": "patch grid with merge sizes (VideoLLaMA3)",
+    "grid_hw_inputs": "patch grid, h x w (RADIO)",
+    "fixed_inputs": "fixed resolution",
+    "hybrid_inputs": "two fixed-resolution towers",
+    "patch_inputs": "packed patches (Inkling)",
+    "sized_inputs": "image_sizes (Pixtral)",
+    "anyres_inputs": "any resolution, pinpoint tiles (LLaVA-Next)",
+    "positioned_inputs": "patch rows with positions (Gemma4)",
+    "naflex_inputs": "NaFlex patches (SigLIP2)",
+    "tile_inputs": "tiles (Idefics3)",
+    "masked_tile_inputs": "tiles with a mask",
+    "packed_inputs": "NaViT-packed (MiniCPM-V)",
+    "pooled_inputs": "crops, pooled (Molmo2)",
+    "sam_inputs": "SAM global view (DeepSeek-OCR)",
+}
 
 
 _IMAGE_ALWAYS = ("its forward runs the tower on every call ({}): a micro-batch without pixel_values fails in the "
