@@ -152,15 +152,17 @@ def family_note(found: DiscoveredVlm) -> str:
     status, row = family_status(found), row_of(found)
     tiny = next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
     own = tiny.note if tiny is not None else _ZOO_NOTES.get(found.name, "")
+    gap = found.shape_gap()
     if status == STATUSES[0]:
         ran = "image and text ranks: gloo abort unaligned, 0.0 aligned (families524)"
-        return f"{ran}; {own}" if own else ran
+        ran = f"{ran}; {own}" if own else ran
+        return f"{ran} (shape: {gap})" if gap else ran
     if status == STATUSES[1]:
         return f"the row of its tower kind ({row.dummy.__name__}); no tiny model, so no run asserts it"
     if status == STATUSES[2]:
         if not own:
             raise ValueError(f"{found.name}: a named-error family needs a note saying why no dummy exists")
-        return own
+        return f"{own} (shape: {gap})" if gap else own
     return found.shape_gap() or (
         own or "no row or tiny model yet; at run time the mixed-batch FsdpCompatError (untested here)"
     )
