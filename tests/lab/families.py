@@ -135,13 +135,40 @@ def family_status(found: DiscoveredVlm) -> str:
 
 
 _KINDS = {"grid_inputs": "patch grid", "fixed_inputs": "fixed resolution", "sized_inputs": "image_sizes (Pixtral)",
-          "tile_inputs": "tiles (Idefics3)"}  # fmt: skip
+          "tile_inputs": "tiles (Idefics3)", "patch_inputs": "flattened patches (Fuyu)",
+          "vq_inputs": "VQ tokenizer (Emu3)",
+          "position_patch_inputs": "positioned patches (Gemma4 unified)"}  # fmt: skip
 
 
 #: Notes of the zoo's own family models (lab.vlms models carry theirs as ``TinyVlm.note``).
 _ZOO_NOTES = {
     "vipllava": "no row yet (CLIP read at two layers; `fixed_inputs` would likely fit, untested): every rank raises "
     "the mixed-batch FsdpCompatError naming the class, the ranks and the fix (families524, core)",
+}
+
+
+#: Notes of families without the alignment's shape that have no tiny model (read from transformers 5.24's code, not
+#: run): what they are, and why a text-only micro-batch differs.
+_SHAPE_NOTES = {
+    "apertus1p5": "not run: a VQ image tokenizer (vision_tokenizer) that get_image_tokens runs once per image, each "
+    "at its own size, so a text rank's dummy would have to match the image rank's count of images (not of pixel "
+    "arguments); an audio tokenizer besides",
+    "diffusion_gemma": "not run: a block-diffusion model whose encoder holds the vision tower "
+    "(model.encoder.vision_tower)",
+    "t5gemma2": "not run: an encoder-decoder whose encoder holds the vision tower (model.encoder.vision_tower)",
+    "pix2struct": "not run: an encoder-decoder whose encoder's only input is flattened_patches (it raises without "
+    "them), so every micro-batch needs an image",
+    "vision-encoder-decoder": "not run: an image encoder and a text decoder; the forward raises without "
+    "pixel_values (the decoder's only context), so every micro-batch needs an image",
+    "pp_formulanet": "not run: an image-to-formula OCR encoder-decoder; the encoder raises without pixel_values, so "
+    "every micro-batch needs an image",
+    "udop": "not run: a document encoder-decoder (text, layout boxes and an optional page image, patch-embedded "
+    "inside the encoder)",
+    "evolla": "not a vision model: protein sequences (a SaProt encoder) and text; no image input",
+    "pi0": "not a trainable VLM of this kind: a robotics action policy (a PaliGemma VLM, PI0Model.vlm, and an action "
+    "expert) whose samples carry camera images",
+    "mistral4": "not a vision model: Mistral4ForCausalLM is a text-only causal LM (no pixel input) registered under "
+    "image-text-to-text",
 }
 
 
@@ -163,9 +190,9 @@ def family_note(found: DiscoveredVlm) -> str:
         if not own:
             raise ValueError(f"{found.name}: a named-error family needs a note saying why no dummy exists")
         return f"{own} (shape: {gap})" if gap else own
-    return found.shape_gap() or (
-        own or "no row or tiny model yet; at run time the mixed-batch FsdpCompatError (untested here)"
-    )
+    if gap and found.name in _SHAPE_NOTES:
+        return f"{gap}; {_SHAPE_NOTES[found.name]}"
+    return gap or (own or "no row or tiny model yet; at run time the mixed-batch FsdpCompatError (untested here)")
 
 
 def table_markdown(found: list[DiscoveredVlm]) -> str:
@@ -175,7 +202,8 @@ def table_markdown(found: list[DiscoveredVlm]) -> str:
         row = row_of(f)
         builder = getattr(row.dummy, "__name__", "") if row else ""
         kind = _KINDS.get(builder, builder.removesuffix("_inputs").replace("_", " "))
-        tower = f"`{f.tower}`" + (f", {kind}" if kind else "") if f.tower else "none"
+        attr = f.tower or (row.tower if row else None)  # a row names the tower discovery cannot see (Fuyu, Emu3)
+        tower = f"`{attr}`" + (f", {kind}" if kind else "") if attr else "none"
         types = ", ".join(f"`{t}`" for t in f.model_types)
         lines.append(f"| {types} | `{f.inner}` | {tower} | {family_status(f)} | {family_note(f)} |")
     return "\n".join(lines)

@@ -263,6 +263,30 @@ def _unified_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.
     return {"pixel_values": torch.randn(n, 4, dim, generator=g), "image_position_ids": positions.clone()}
 
 
+# ---------------------------------------------------------------------------------------------------- t5gemma2
+
+
+def _t5gemma2() -> nn.Module:
+    """Config defaults shrunk (a 2-layer SigLIP of 32 over 16 x 16 images, 4 tokens per image, 2 encoder and 2
+    decoder layers of 32)."""
+    from transformers import T5Gemma2Config, T5Gemma2ForConditionalGeneration
+
+    text = {**_TEXT, "head_dim": 8, "num_key_value_heads": 2, "sliding_window": 8, "query_pre_attn_scalar": 8,
+            "layer_types": ["sliding_attention", "full_attention"], "dropout_rate": 0.0}  # fmt: skip
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 37,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 16, "patch_size": 4}  # fmt: skip
+    encoder = {"text_config": text, "vision_config": vision, "mm_tokens_per_image": 4, "boi_token_index": 12,
+               "eoi_token_index": 13, "image_token_index": 10}  # fmt: skip
+    config = T5Gemma2Config(encoder=encoder, decoder=dict(text), image_token_index=10, eoi_token_index=13,
+                            tie_word_embeddings=False, dropout_rate=0.0)  # fmt: skip
+    return T5Gemma2ForConditionalGeneration(_eager(config))
+
+
+def _t5gemma2_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    side = int(config.encoder.vision_config.image_size)
+    return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
+
+
 MODELS: list[TinyVlm] = [
     ShapeVlm(
         ("mllama",),
@@ -300,7 +324,7 @@ MODELS: list[TinyVlm] = [
         unaligned="missing 1 required positional argument: 'pixel_values'",
         note="every micro-batch needs an image: the forward takes pixel_values as a required argument (its "
         "Q-Former output is the only route of the image into the text model), so a text-only micro-batch "
-        "fails by itself and no dummy can make it an image|text step; with fsdp-compat every rank raises the "
+        "fails by itself and no dummy can make it an image-and-text step; with fsdp-compat every rank raises the "
         "named error first",
     ),
     ShapeVlm(
@@ -355,6 +379,17 @@ MODELS: list[TinyVlm] = [
         source="config defaults shrunk",
         note="encoder-free: the tower is the patch embedder (embed_vision: norms, a linear, position table); the "
         "dummy is one zero patch at (0, 0)",
+    ),
+    ShapeVlm(
+        ("t5gemma2",),
+        _t5gemma2,
+        _t5gemma2_pixels,
+        tokens=4,
+        source="config defaults shrunk",
+        note="no row although one fits (T5Gemma2Encoder holds the SigLIP tower and the text encoder: a row "
+        "(T5Gemma2Encoder, fixed_inputs, vision_tower, text_model) ran image and text ranks with exact losses and "
+        "2.0e-04 gradients), because exactness cannot be asserted: an all-image run without alignment is already "
+        "2.2e-04 off on encoder.multi_modal_projector.mm_input_projection_weight; every rank raises the named error",
     ),
 ]
 
