@@ -101,7 +101,7 @@ def discover_vlms() -> list[DiscoveredVlm]:
 
 
 #: A family's mixed-batch status, as docs/families.md spells it (the first words of its status cell).
-STATUSES = ("trains", "row, not run", "named error", "not covered")
+STATUSES = ("trains", "row, not run", "named error", "not covered", "needs images")
 
 
 def row_of(found: DiscoveredVlm) -> Any:
@@ -125,10 +125,19 @@ def zoo_model(found: DiscoveredVlm) -> str | None:
     return zoo or lab
 
 
+def _tiny(found: DiscoveredVlm) -> Any:
+    from lab.vlms import tiny_models
+
+    return next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
+
+
 def family_status(found: DiscoveredVlm) -> str:
     """A row and a zoo model: ``trains`` (the families test runs it); a row only: ``row, not run``; a zoo model
-    only: ``named error`` (the families test runs it); neither: ``not covered``."""
+    only: ``named error`` (the families test runs it); neither: ``not covered``; a tiny model whose forward cannot
+    take a text-only micro-batch and that fsdp-compat cannot name (``ShapeVlm.named`` False): ``needs images``."""
     row, zoo = row_of(found), zoo_model(found)
+    if row is None and zoo is not None and _tiny(found) is not None and not getattr(_tiny(found), "named", True):
+        return STATUSES[4]  # its forward cannot take a text-only micro-batch, and fsdp-compat cannot name it
     if row is not None:
         return STATUSES[0] if zoo else STATUSES[1]
     return STATUSES[2] if zoo else STATUSES[3]
@@ -186,7 +195,7 @@ def family_note(found: DiscoveredVlm) -> str:
         return f"{ran} (shape: {gap})" if gap else ran
     if status == STATUSES[1]:
         return f"the row of its tower kind ({row.dummy.__name__}); no tiny model, so no run asserts it"
-    if status == STATUSES[2]:
+    if status in (STATUSES[2], STATUSES[4]):
         if not own:
             raise ValueError(f"{found.name}: a named-error family needs a note saying why no dummy exists")
         return f"{own} (shape: {gap})" if gap else own

@@ -24,10 +24,15 @@ class ShapeVlm(TinyVlm):
 
     ``unaligned``: where the family's forward cannot run a text-only micro-batch at all, the error a text rank
     raises by itself in an unaligned run (the families test asserts it instead of gloo's size mismatch).
+    ``named``: False where fsdp-compat cannot name the model either (no ``pixel_values*`` argument or no tower it
+    recognises): the aligned run fails with the same error of the text rank (status ``needs images``).
+    ``rename``: keywords of the generic batch renamed for the forward (an encoder-decoder's text is the decoder's).
     """
 
     tokens: int | Callable[[Any], int] | None = None
     unaligned: str = ""
+    named: bool = True
+    rename: tuple[tuple[str, str], ...] = ()
 
     def batch(self, g: torch.Generator, variant: str = "image") -> dict[str, torch.Tensor]:
         if self.tokens is None:
@@ -36,7 +41,11 @@ class ShapeVlm(TinyVlm):
 
         count = self.tokens if isinstance(self.tokens, int) else self.tokens(vlms._config(self))
         vlms._FEATURES[self.name] = count  # the generic batch's layout, with this family's count
-        return super().batch(g, variant)
+        batch = super().batch(g, variant)
+        for old, new in self.rename:
+            if old in batch:
+                batch[new] = batch.pop(old)
+        return batch
 
 
 def _eager(config: Any) -> Any:
@@ -287,6 +296,38 @@ def _t5gemma2_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch
     return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
 
 
+# -------------------------------------------------------------------------------------------------- pix2struct
+
+
+def _pix2struct() -> nn.Module:
+    """Config defaults shrunk (2 encoder layers of 32 over 2 x 2 x 3 patches, 2 decoder layers of 32)."""
+    from transformers import Pix2StructConfig, Pix2StructForConditionalGeneration
+
+    text = {"vocab_size": 128, "hidden_size": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4,
+            "dropout_rate": 0.0}  # fmt: skip
+    vision = {"hidden_size": 32, "patch_embed_hidden_size": 12, "d_ff": 37, "d_kv": 8, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "seq_len": 16}  # fmt: skip
+    config = Pix2StructConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return Pix2StructForConditionalGeneration(_eager(config))
+
+
+def _pix2struct_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """Four flattened patches per image (row, column, 2 x 2 x 3 values) and their mask (``attention_mask`` once
+    renamed)."""
+    dim = int(config.vision_config.patch_embed_hidden_size)
+    patches = torch.randn(n, 4, 2 + dim, generator=g)
+    patches[..., :2] = torch.tensor([[1, 1], [1, 2], [2, 1], [2, 2]], dtype=torch.float)
+    return {"flattened_patches": patches, "patch_mask": torch.ones(n, 4)}
+
+
+#: An encoder-decoder's text is the decoder's; the encoder's mask is the patches' (``patch_mask``).
+_DECODER_TEXT = (
+    ("input_ids", "decoder_input_ids"),
+    ("attention_mask", "decoder_attention_mask"),
+    ("patch_mask", "attention_mask"),
+)
+
+
 MODELS: list[TinyVlm] = [
     ShapeVlm(
         ("mllama",),
@@ -379,6 +420,19 @@ MODELS: list[TinyVlm] = [
         source="config defaults shrunk",
         note="encoder-free: the tower is the patch embedder (embed_vision: norms, a linear, position table); the "
         "dummy is one zero patch at (0, 0)",
+    ),
+    ShapeVlm(
+        ("pix2struct",),
+        _pix2struct,
+        _pix2struct_pixels,
+        tokens=0,
+        source="config defaults shrunk",
+        unaligned="You have to specify flattened_patches",
+        named=False,
+        rename=_DECODER_TEXT,
+        note="every micro-batch needs an image: the encoder's only input is flattened_patches and it raises "
+        "without them; the forward takes no pixel_values argument, so fsdp-compat cannot name the model and the text "
+        "rank's own error ends the step, aligned or not",
     ),
     ShapeVlm(
         ("t5gemma2",),
