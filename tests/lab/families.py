@@ -165,10 +165,6 @@ _SHAPE_NOTES = {
     "diffusion_gemma": "not run: a block-diffusion model whose encoder holds the vision tower "
     "(model.encoder.vision_tower)",
     "t5gemma2": "not run: an encoder-decoder whose encoder holds the vision tower (model.encoder.vision_tower)",
-    "pix2struct": "not run: an encoder-decoder whose encoder's only input is flattened_patches (it raises without "
-    "them), so every micro-batch needs an image",
-    "vision-encoder-decoder": "not run: an image encoder and a text decoder; the forward raises without "
-    "pixel_values (the decoder's only context), so every micro-batch needs an image",
     "pp_formulanet": "not run: an image-to-formula OCR encoder-decoder; the encoder raises without pixel_values, so "
     "every micro-batch needs an image",
     "udop": "not run: a document encoder-decoder (text, layout boxes and an optional page image, patch-embedded "

@@ -328,6 +328,37 @@ _DECODER_TEXT = (
 )
 
 
+# ------------------------------------------------------------------------------------- vision-encoder-decoder
+
+
+def _vision_encoder_decoder() -> nn.Module:
+    """Config defaults shrunk: a 2-layer ViT of 32 over 16 x 16 images and a 2-layer BERT decoder of 32 with
+    cross-attention (the pairing is the user's; these are the smallest of each)."""
+    from transformers import BertConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    encoder = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        image_size=16,
+        patch_size=4,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    decoder = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=37, is_decoder=True, add_cross_attention=True, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return VisionEncoderDecoderModel(config=_eager(config))
+
+
+def _vit_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    side = int(config.encoder.image_size)
+    return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
+
+
 MODELS: list[TinyVlm] = [
     ShapeVlm(
         ("mllama",),
@@ -432,6 +463,19 @@ MODELS: list[TinyVlm] = [
         rename=_DECODER_TEXT,
         note="every micro-batch needs an image: the encoder's only input is flattened_patches and it raises "
         "without them; the forward takes no pixel_values argument, so fsdp-compat cannot name the model and the text "
+        "rank's own error ends the step, aligned or not",
+    ),
+    ShapeVlm(
+        ("vision-encoder-decoder",),
+        _vision_encoder_decoder,
+        _vit_pixels,
+        tokens=0,
+        source="config defaults shrunk (ViT encoder, BERT decoder)",
+        unaligned="You have to specify pixel_values",
+        named=False,
+        rename=_DECODER_TEXT,
+        note="every micro-batch needs an image: the forward raises without pixel_values (the encoder's output is "
+        "the decoder's only context); its encoder sits under no tower name fsdp-compat recognises, so the text "
         "rank's own error ends the step, aligned or not",
     ),
     ShapeVlm(
