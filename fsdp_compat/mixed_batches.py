@@ -93,9 +93,13 @@ ENV_MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"
 MODES = ("sync", "always", "off")
 logger = logging.getLogger("fsdp_compat")
 
-# Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, ...), and
-# of image tokenizers (Chameleon, Emu3: a VQ-VAE whose blocks are FSDP2 groups of their own, run only for images).
-_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "vision", "vqmodel")
+# Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, ...), of
+# image tokenizers (Chameleon, Emu3: a VQ-VAE whose blocks are FSDP2 groups of their own, run only for images) and of
+# patch embedders of encoder-free models (UDOP: a text-only micro-batch leaves its parameters without a gradient, so
+# the group holding them reduce-scatters less). The first module, in named_modules order, whose name is one of these.
+_TOWER_NAMES = (
+    "visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "vision", "vqmodel", "patch_embed",
+)  # fmt: skip
 
 
 def mixed_batches_mode() -> str:
