@@ -359,6 +359,29 @@ def _vit_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tens
     return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
 
 
+# -------------------------------------------------------------------------------------------------------- udop
+
+
+def _udop() -> nn.Module:
+    """Config defaults shrunk (2 encoder and 2 decoder T5 layers of 32; 16 x 16 page images of 4 x 4 patches)."""
+    from transformers import UdopConfig, UdopForConditionalGeneration
+
+    config = UdopConfig(vocab_size=128, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4,
+                        dropout_rate=0.0, image_size=16, patch_size=4, tie_word_embeddings=False,
+                        decoder_start_token_id=0)  # fmt: skip
+    return UdopForConditionalGeneration(_eager(config))
+
+
+def _udop_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    side = int(config.image_size)
+    return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
+
+
+def _udop_boxes(batch: dict[str, torch.Tensor], variant: str) -> dict[str, torch.Tensor]:
+    """Each token's layout box: the whole page (both variants)."""
+    return {"bbox": torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(*batch["input_ids"].shape, 4).clone()}
+
+
 MODELS: list[TinyVlm] = [
     ShapeVlm(
         ("mllama",),
@@ -477,6 +500,18 @@ MODELS: list[TinyVlm] = [
         note="every micro-batch needs an image: the forward raises without pixel_values (the encoder's output is "
         "the decoder's only context); its encoder sits under no tower name fsdp-compat recognises, so the text "
         "rank's own error ends the step, aligned or not",
+    ),
+    ShapeVlm(
+        ("udop",),
+        _udop,
+        _udop_pixels,
+        tokens=0,
+        extra=_udop_boxes,
+        source="config defaults shrunk",
+        note="the page image is patch-embedded (patch_embed) and merged with the OCR tokens inside the encoder's "
+        "own forward (no get_image_features, no text-model module taking the features as inputs_embeds), so no "
+        "row; a text-only micro-batch leaves patch_embed without a gradient (the root group's reduce-scatter "
+        "shrinks); every rank raises the named error (patch_embed counts as a tower)",
     ),
     ShapeVlm(
         ("t5gemma2",),
