@@ -162,8 +162,10 @@ _SHAPE_NOTES = {
     "apertus1p5": "not run: a VQ image tokenizer (vision_tokenizer) that get_image_tokens runs once per image, each "
     "at its own size, so a text rank's dummy would have to match the image rank's count of images (not of pixel "
     "arguments); an audio tokenizer besides",
-    "diffusion_gemma": "not run: a block-diffusion model whose encoder holds the vision tower "
-    "(model.encoder.vision_tower)",
+    "diffusion_gemma": "not run: a block-diffusion model; its encoder (DiffusionGemmaEncoderModel) has the "
+    "alignment's shape (vision_tower, language_model, get_image_features), but DiffusionGemmaForBlockDiffusion's "
+    "forward takes no labels and returns no loss (a denoising step), so the causal-LM run of this test does not "
+    "apply",
     "t5gemma2": "not run: an encoder-decoder whose encoder holds the vision tower (model.encoder.vision_tower)",
     "pp_formulanet": "not run: an image-to-formula OCR encoder-decoder; the encoder raises without pixel_values, so "
     "every micro-batch needs an image",
