@@ -167,8 +167,6 @@ _SHAPE_NOTES = {
     "forward takes no labels and returns no loss (a denoising step), so the causal-LM run of this test does not "
     "apply",
     "t5gemma2": "not run: an encoder-decoder whose encoder holds the vision tower (model.encoder.vision_tower)",
-    "pp_formulanet": "not run: an image-to-formula OCR encoder-decoder; the encoder raises without pixel_values, so "
-    "every micro-batch needs an image",
     "evolla": "not a vision model: protein sequences (a SaProt encoder) and text; no image input",
     "pi0": "not a trainable VLM of this kind: a robotics action policy (a PaliGemma VLM, PI0Model.vlm, and an action "
     "expert) whose samples carry camera images",

@@ -382,6 +382,30 @@ def _udop_boxes(batch: dict[str, torch.Tensor], variant: str) -> dict[str, torch
     return {"bbox": torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(*batch["input_ids"].shape, 4).clone()}
 
 
+# ----------------------------------------------------------------------------------------------- pp_formulanet
+
+
+def _pp_formulanet() -> nn.Module:
+    """Config defaults shrunk (a 2-layer SAM-style ViT of 32 over 32 x 32 images, 2 decoder layers of 32)."""
+    from transformers import PPFormulaNetConfig, PPFormulaNetForConditionalGeneration
+
+    vision = {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8, "window_size": 2, "global_attn_indexes": [1], "mlp_dim": 37,
+              "post_conv_in_channels": 16, "post_conv_mid_channels": 16, "post_conv_out_channels": 32,
+              "decoder_hidden_size": 32}  # fmt: skip
+    text = {"vocab_size": 128, "d_model": 32, "decoder_layers": 2, "decoder_attention_heads": 4,
+            "decoder_ffn_dim": 37, "encoder_layers": 2, "encoder_attention_heads": 4, "max_position_embeddings": 64,
+            "dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+            "decoder_start_token_id": 2}  # fmt: skip
+    config = PPFormulaNetConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return PPFormulaNetForConditionalGeneration(_eager(config))
+
+
+def _pp_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    side = int(config.vision_config.image_size)
+    return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
+
+
 MODELS: list[TinyVlm] = [
     ShapeVlm(
         ("mllama",),
@@ -512,6 +536,18 @@ MODELS: list[TinyVlm] = [
         "own forward (no get_image_features, no text-model module taking the features as inputs_embeds), so no "
         "row; a text-only micro-batch leaves patch_embed without a gradient (the root group's reduce-scatter "
         "shrinks); every rank raises the named error (patch_embed counts as a tower)",
+    ),
+    ShapeVlm(
+        ("pp_formulanet",),
+        _pp_formulanet,
+        _pp_pixels,
+        tokens=0,
+        source="config defaults shrunk",
+        unaligned="You must specify exactly one of encoder_outputs or pixel_values",
+        rename=_DECODER_TEXT,
+        note="every micro-batch needs an image: an image-to-formula OCR encoder-decoder whose forward raises "
+        "without pixel_values or encoder_outputs (the image is the decoder's only context); with fsdp-compat "
+        "every rank raises the named error first (the error names model.encoder.patch_embed as the tower)",
     ),
     ShapeVlm(
         ("t5gemma2",),
