@@ -94,8 +94,14 @@ MODES = ("sync", "always", "off")
 logger = logging.getLogger("fsdp_compat")
 
 # Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, Video-LLaVA's
-# image_tower, ...).
-_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision")
+# image_tower, ...), of image tokenizers (Chameleon, Emu3: a VQ-VAE whose blocks are FSDP2 groups of their own, run
+# only for images) and of patch embedders of encoder-free models (UDOP: a text-only micro-batch leaves its parameters
+# without a gradient, so the group holding them reduce-scatters less). The first module, in named_modules order,
+# whose name is one of these.
+_TOWER_NAMES = (
+    "visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision", "vqmodel",
+    "patch_embed",
+)  # fmt: skip
 
 
 def mixed_batches_mode() -> str:
@@ -137,9 +143,9 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
     for path, module in model.named_modules():
         family = _family_of(module)
         needed = (family.tower, family.text, "get_image_features") if family is not None else ()
-        if family is not None and all(hasattr(module, a) for a in needed):
+        if family is not None and all(_has(module, a) for a in needed):
             if mode == "off":
-                tower = getattr(module, family.tower)
+                tower = module.get_submodule(family.tower)
                 installed.append(MixedBatches(model, tower, f"{path}.{family.tower}" if path else family.tower, mode))
             else:
                 installed.append(_KnownFamily(model, module, path, family, mode))
@@ -149,6 +155,18 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
             installed.append(unknown)
     _INSTALLED[model] = installed
     return mixed_batches_of(model)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    """``module`` has the attribute, or the dotted submodule path, ``name`` (a row's tower may be a submodule of an
+    attribute: Emu3's ``vqmodel.encoder``, the part of the image tokenizer that is called as a module)."""
+    if hasattr(module, name):
+        return True
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def mixed_batches_of(model: nn.Module) -> list[MixedBatches]:
@@ -508,7 +526,7 @@ class _KnownFamily(MixedBatches):
     """A table family: count the tower calls, exchange counts, top up with dummies before the text model."""
 
     def __init__(self, root: nn.Module, inner: nn.Module, path: str, family: VisionFamily, mode: str) -> None:
-        tower = getattr(inner, family.tower)
+        tower = inner.get_submodule(family.tower)
         super().__init__(root, tower, f"{path}.{family.tower}" if path else family.tower, mode)
         self.path = path
         self.family = family
@@ -520,7 +538,9 @@ class _KnownFamily(MixedBatches):
         self._handles += [
             inner.register_forward_pre_hook(_marked(self._pre_forward), with_kwargs=True),
             inner.register_forward_hook(_marked(self._post_forward), always_call=True),
-            getattr(inner, family.text).register_forward_pre_hook(_marked(self._before_text_model), with_kwargs=True),
+            inner.get_submodule(family.text).register_forward_pre_hook(
+                _marked(self._before_text_model), with_kwargs=True
+            ),
         ]
 
     def _own_calls(self, inputs: dict[str, Any]) -> int:
@@ -614,16 +634,21 @@ class _KnownFamily(MixedBatches):
         dummy = self._dummy(inner, device)
         target, self._target = self._target, None  # not counted as this forward's own calls
         try:
-            zero = _zero_of(inner.get_image_features(**dummy))
+            zero = _zero_of(self._features(inner.get_image_features(**dummy)))
         finally:
             self._target = target
         self.dummy_calls += 1
         if torch.is_grad_enabled() and zero is not None:
             self._zero = zero if self._zero is None else self._zero + zero
 
+    def _features(self, output: Any) -> Any:
+        """The part of ``get_image_features``' output that the forward joins to ``inputs_embeds`` (the row's
+        ``features``; the whole output when it names none)."""
+        return output if self.family.features is None else getattr(output, self.family.features)
+
     def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
-        tower = getattr(inner, self.family.tower)
+        tower = inner.get_submodule(self.family.tower)
         dtype = next((p.dtype for p in tower.parameters() if p.is_floating_point()), torch.float32)
         return self.family.dummy(inner.config, device, dtype)
 
@@ -636,7 +661,7 @@ class _KnownFamily(MixedBatches):
             self._target = None  # the dummies' own tower calls are not counted
             _, embeds = _inputs_embeds(module, args, kwargs)
             for _ in range(missing):
-                term = _zero_of(inner.get_image_features(**self._dummy(inner, embeds.device)))
+                term = _zero_of(self._features(inner.get_image_features(**self._dummy(inner, embeds.device))))
                 if term is not None:
                     zero = term if zero is None else zero + term
                 self.dummy_calls += 1

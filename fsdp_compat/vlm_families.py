@@ -24,6 +24,7 @@ __all__ = [
     "conv_grid_inputs",
     "family_named",
     "fixed_inputs",
+    "flat_patch_inputs",
     "grid_dummy",
     "grid_hw_inputs",
     "grid_inputs",
@@ -33,13 +34,15 @@ __all__ = [
     "merge_size_inputs",
     "naflex_inputs",
     "packed_inputs",
+    "packed_patch_inputs",
     "patch_grid_inputs",
-    "patch_inputs",
     "pooled_inputs",
+    "position_patch_inputs",
     "positioned_inputs",
     "sam_inputs",
     "sized_inputs",
     "tile_inputs",
+    "vq_inputs",
 ]
 
 
@@ -105,11 +108,14 @@ def tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[s
 class VisionFamily:
     """One row: the inner model classes of a VLM family, its vision inputs, and how to feed its tower a dummy.
 
-    ``tower`` and ``text`` are the inner model's attributes that hold the vision tower and the text model;
-    ``inputs`` lists the pixel arguments, one tower call each, in the order the forward makes them; ``dummy``
-    builds the ``get_image_features`` keywords of the family's smallest valid input from the inner model's config
-    (one builder per tower kind, shared by the families of that kind). The dummy's features join the graph at the
-    text model's ``inputs_embeds``, where the real features join it too.
+    ``tower`` and ``text`` are the inner model's attributes (or dotted submodule paths) that hold the vision tower
+    and the text model; ``inputs`` lists the pixel arguments, one tower call each, in the order the forward makes
+    them; ``dummy`` builds the ``get_image_features`` keywords of the family's smallest valid input from the inner
+    model's config (one builder per tower kind, shared by the families of that kind). The dummy's features join the
+    graph at the text model's ``inputs_embeds``, where the real features join it too. ``features`` names the output
+    field the forward joins there, where other fields reach the graph another way or not at all (Emu3:
+    ``pooler_output``, the text embeddings of the codes; its ``last_hidden_state`` is the VQ encoder's, cut from the
+    loss by the quantizer's argmin); None: every floating tensor of the output.
     """
 
     name: str
@@ -118,6 +124,7 @@ class VisionFamily:
     dummy: DummyInputs = grid_inputs
     tower: str = "visual"
     text: str = "language_model"
+    features: str | None = None
 
 
 def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
@@ -230,7 +237,7 @@ MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = (
 # ---------------------------------------------------------------------- fixed resolution (CLIP, SigLIP and kin)
 
 
-def patch_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def packed_patch_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """One zero packed patch, ``(1, T, P, P, C)`` (Inkling: ``pixel_values`` are patches of temporal x patch x patch
     pixels, which the tower folds into one token each, on its own, so one patch is the smallest input)."""
     vision = config.vision_config
@@ -259,7 +266,7 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("deepseek-vl", "DeepseekVLModel", "vision_model"),
     _fixed("janus", "JanusModel", "vision_model"),
     _fixed("ovis2", "Ovis2Model"),
-    VisionFamily("inkling", ("InklingModel",), ("pixel_values",), patch_inputs, "vision_tower"),
+    VisionFamily("inkling", ("InklingModel",), ("pixel_values",), packed_patch_inputs, "vision_tower"),
 )
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)
@@ -374,7 +381,44 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
 
 # ------------------------------------------------------------------------------------------------- other shapes
 
-OTHER_FAMILIES: tuple[VisionFamily, ...] = ()
+
+def flat_patch_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero patch of one image, ``(1, 1, P * P * C)`` (Fuyu: the "tower" is one linear layer over flattened
+    patches, ``vision_embed_tokens``, so a single patch is the smallest input; a linear has no padding rule)."""
+    dim = int(config.patch_size) ** 2 * int(config.num_channels)
+    return {"pixel_values": torch.zeros(1, 1, dim, dtype=dtype, device=device)}
+
+
+def vq_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of 2f x 2f pixels and its ``image_sizes`` (Emu3: the VQ-VAE encoder downsamples by f = 2 **
+    (levels - 1); its temporal blocks' BatchNorm needs more than one value per channel in training, so 2 x 2 latent
+    pixels, four codes). The codes are discrete: the 0.0 term flows through the text embedding of those codes, and
+    the tokenizer gets no gradient on any rank, as with real images. In training mode the dummy, like a real image,
+    moves that BatchNorm's running statistics on its rank (buffers, not parameters)."""
+    vq = config.vq_config
+    side = 2 * 2 ** (len(vq.channel_multiplier) - 1)
+    pixels = torch.zeros(1, int(vq.in_channels), side, side, dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]], dtype=torch.long, device=device)}
+
+
+def position_patch_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero merged patch at position (0, 0), ``(1, 1, (P * k) ** 2 * 3)`` and ``image_position_ids`` ``(1, 1, 2)``
+    (Gemma4 unified: encoder-free, the "tower" is a patch embedder; a position of -1 marks a padding patch, which
+    ``get_image_features`` strips, so the one patch sits at (0, 0))."""
+    dim = int(config.vision_config.model_patch_size) ** 2 * 3
+    return {
+        "pixel_values": torch.zeros(1, 1, dim, dtype=dtype, device=device),
+        "image_position_ids": torch.zeros(1, 1, 2, dtype=torch.long, device=device),
+    }
+
+
+OTHER_FAMILIES: tuple[VisionFamily, ...] = (
+    VisionFamily("fuyu", ("FuyuModel",), ("pixel_values",), flat_patch_inputs, "vision_embed_tokens", "language_model"),
+    VisionFamily("gemma4-unified", ("Gemma4UnifiedModel",), dummy=position_patch_inputs, tower="embed_vision"),
+    VisionFamily(
+        "emu3", ("Emu3Model",), ("pixel_values",), vq_inputs, "vqmodel.encoder", "text_model", "pooler_output"
+    ),
+)
 
 # ------------------------------------------------------------------------------------------------------- table
 

@@ -101,7 +101,7 @@ def discover_vlms() -> list[DiscoveredVlm]:
 
 
 #: A family's mixed-batch status, as docs/families.md spells it (the first words of its status cell).
-STATUSES = ("trains", "row, not run", "named error", "not covered")
+STATUSES = ("trains", "row, not run", "named error", "not covered", "needs images")
 
 
 def row_of(found: DiscoveredVlm) -> Any:
@@ -125,10 +125,19 @@ def zoo_model(found: DiscoveredVlm) -> str | None:
     return zoo or lab
 
 
+def _tiny(found: DiscoveredVlm) -> Any:
+    from lab.vlms import tiny_models
+
+    return next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
+
+
 def family_status(found: DiscoveredVlm) -> str:
     """A row and a zoo model: ``trains`` (the families test runs it); a row only: ``row, not run``; a zoo model
-    only: ``named error`` (the families test runs it); neither: ``not covered``."""
+    only: ``named error`` (the families test runs it); neither: ``not covered``; a tiny model whose forward cannot
+    take a text-only micro-batch and that fsdp-compat cannot name (``ShapeVlm.named`` False): ``needs images``."""
     row, zoo = row_of(found), zoo_model(found)
+    if row is None and zoo is not None and _tiny(found) is not None and not getattr(_tiny(found), "named", True):
+        return STATUSES[4]  # its forward cannot take a text-only micro-batch, and fsdp-compat cannot name it
     if row is not None:
         return STATUSES[0] if zoo else STATUSES[1]
     return STATUSES[2] if zoo else STATUSES[3]
@@ -143,7 +152,10 @@ _KINDS = {
     "grid_hw_inputs": "patch grid, h x w (RADIO)",
     "fixed_inputs": "fixed resolution",
     "hybrid_inputs": "two fixed-resolution towers",
-    "patch_inputs": "packed patches (Inkling)",
+    "packed_patch_inputs": "packed patches (Inkling)",
+    "flat_patch_inputs": "flattened patches (Fuyu)",
+    "vq_inputs": "VQ tokenizer (Emu3)",
+    "position_patch_inputs": "positioned patches (Gemma4 unified)",
     "sized_inputs": "image_sizes (Pixtral)",
     "anyres_inputs": "any resolution, pinpoint tiles (LLaVA-Next)",
     "positioned_inputs": "patch rows with positions (Gemma4)",
@@ -177,6 +189,25 @@ _ZOO_NOTES = {
 }
 
 
+#: Notes of families without the alignment's shape that have no tiny model (read from transformers 5.24's code, not
+#: run): what they are, and why a text-only micro-batch differs.
+_SHAPE_NOTES = {
+    "apertus1p5": "not run: a VQ image tokenizer (vision_tokenizer) that get_image_tokens runs once per image, each "
+    "at its own size, so a text rank's dummy would have to match the image rank's count of images (not of pixel "
+    "arguments); an audio tokenizer besides",
+    "diffusion_gemma": "not run: a block-diffusion model; its encoder (DiffusionGemmaEncoderModel) has the "
+    "alignment's shape (vision_tower, language_model, get_image_features), but DiffusionGemmaForBlockDiffusion's "
+    "forward takes no labels and returns no loss (a denoising step), so the causal-LM run of this test does not "
+    "apply",
+    "t5gemma2": "not run: an encoder-decoder whose encoder holds the vision tower (model.encoder.vision_tower)",
+    "evolla": "not a vision model: protein sequences (a SaProt encoder) and text; no image input",
+    "pi0": "not a trainable VLM of this kind: a robotics action policy (a PaliGemma VLM, PI0Model.vlm, and an action "
+    "expert) whose samples carry camera images",
+    "mistral4": "not a vision model: Mistral4ForCausalLM is a text-only causal LM (no pixel input) registered under "
+    "image-text-to-text",
+}
+
+
 def family_note(found: DiscoveredVlm) -> str:
     """The family's note in docs/families.md: why it has the status it has."""
     from lab.vlms import tiny_models
@@ -184,18 +215,20 @@ def family_note(found: DiscoveredVlm) -> str:
     status, row = family_status(found), row_of(found)
     tiny = next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
     own = tiny.note if tiny is not None else _ZOO_NOTES.get(found.name, "")
+    gap = found.shape_gap()
     if status == STATUSES[0]:
         ran = "image and text ranks: gloo abort unaligned, 0.0 aligned (families524)"
-        return f"{ran}; {own}" if own else ran
+        ran = f"{ran}; {own}" if own else ran
+        return f"{ran} (shape: {gap})" if gap else ran
     if status == STATUSES[1]:
         return f"the row of its tower kind ({row.dummy.__name__}); no tiny model, so no run asserts it"
-    if status == STATUSES[2]:
+    if status in (STATUSES[2], STATUSES[4]):
         if not own:
             raise ValueError(f"{found.name}: a named-error family needs a note saying why no dummy exists")
-        return own
-    return found.shape_gap() or (
-        own or "no row or tiny model yet; at run time the mixed-batch FsdpCompatError (untested here)"
-    )
+        return f"{own} (shape: {gap})" if gap else own
+    if gap and found.name in _SHAPE_NOTES:
+        return f"{gap}; {_SHAPE_NOTES[found.name]}"
+    return gap or (own or "no row or tiny model yet; at run time the mixed-batch FsdpCompatError (untested here)")
 
 
 def table_markdown(found: list[DiscoveredVlm]) -> str:
@@ -205,7 +238,8 @@ def table_markdown(found: list[DiscoveredVlm]) -> str:
         row = row_of(f)
         builder = getattr(row.dummy, "__name__", "") if row else ""
         kind = _KINDS.get(builder, builder.removesuffix("_inputs").replace("_", " "))
-        tower = f"`{f.tower}`" + (f", {kind}" if kind else "") if f.tower else "none"
+        attr = f.tower or (row.tower if row else None)  # a row names the tower discovery cannot see (Fuyu, Emu3)
+        tower = f"`{attr}`" + (f", {kind}" if kind else "") if attr else "none"
         types = ", ".join(f"`{t}`" for t in f.model_types)
         lines.append(f"| {types} | `{f.inner}` | {tower} | {family_status(f)} | {family_note(f)} |")
     return "\n".join(lines)
