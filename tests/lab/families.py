@@ -168,9 +168,6 @@ _KINDS = {
 }
 
 
-_IMAGE_ALWAYS = ("its forward runs the tower on every call ({}): a micro-batch without pixel_values fails in the "
-                 "model itself, so no text-only micro-batch, and no mixed batch, exists to align")
-
 #: Notes of the zoo's own family models, and of families no tiny model can run image|text (lab.vlms models carry
 #: theirs as ``TinyVlm.note``).
 _ZOO_NOTES = {
@@ -180,9 +177,6 @@ _ZOO_NOTES = {
     **dict.fromkeys(("perception_lm", "fast_vlm", "gemma3n"), "no tiny model: its tower is a timm model, and timm "
                     "(with torchvision) is not in families524's deps; at run time the mixed-batch FsdpCompatError "
                     "(untested here)"),
-    "blip": _IMAGE_ALWAYS.format("the text decoder cross-attends the image embeddings"),
-    "blip-2": _IMAGE_ALWAYS.format("get_image_features unconditionally, pixel_values is required"),
-    "kosmos-2": _IMAGE_ALWAYS.format("ValueError without pixel_values or image_embeds"),
     "vipllava": "no row: with `fixed_inputs` the aligned image/text run trains, but 5.2e-08 off (the projector's "
     "linear_2.bias gradient), as is its all-image run with no dummy (6.7e-08): FSDP2's arithmetic, not exact parity; "
     "every rank raises the mixed-batch FsdpCompatError naming the class, the ranks and the fix (families524, core)",

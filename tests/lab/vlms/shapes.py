@@ -165,6 +165,28 @@ def _instructblipvideo() -> nn.Module:
     return InstructBlipVideoForConditionalGeneration(_eager(config))
 
 
+def _blip() -> nn.Module:
+    """Config defaults shrunk (InstructBLIP's 2-layer ViT of 32 over 30 x 30 images; a 2-layer BERT-like text
+    decoder of 32 cross-attending the image states)."""
+    from transformers import BlipConfig, BlipForConditionalGeneration
+
+    text = {"vocab_size": 128, "hidden_size": 32, "encoder_hidden_size": 32, "intermediate_size": 37,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512, "pad_token_id": 0,
+            "bos_token_id": 1, "eos_token_id": 2, "sep_token_id": 3, "tie_word_embeddings": False}  # fmt: skip
+    config = BlipConfig(text_config=text, vision_config=_BLIP_VISION, tie_word_embeddings=False)
+    return BlipForConditionalGeneration(_eager(config))
+
+
+def _blip_2() -> nn.Module:
+    """InstructBLIP's sizes (2-layer ViT and Q-Former of 32, 4 query tokens, a llama text model)."""
+    from transformers import Blip2Config, Blip2ForConditionalGeneration
+
+    config = Blip2Config(vision_config=_BLIP_VISION, qformer_config=_QFORMER,
+                         text_config={**_TEXT, "model_type": "llama"}, num_query_tokens=4, image_token_index=10,
+                         tie_word_embeddings=False)  # fmt: skip
+    return Blip2ForConditionalGeneration(_eager(config))
+
+
 def _blip_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
     side = int(config.vision_config.image_size)
     return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
@@ -180,6 +202,29 @@ def _qformer_ids(batch: dict[str, torch.Tensor], variant: str) -> dict[str, torc
     """The Q-Former's instruction: the first 4 text tokens of each row (on both variants)."""
     ids = batch["input_ids"][:, :4]
     return {"qformer_input_ids": ids, "qformer_attention_mask": torch.ones_like(ids)}
+
+
+# ---------------------------------------------------------------------------------------------------- kosmos-2
+
+
+def _kosmos2() -> nn.Module:
+    """The tester's Kosmos2ModelTester sizes (a 2-layer CLIP-like ViT of 32 over 32 x 32 images, patch 4; 2 text
+    layers of 32; 3 latent queries), dropout 0, vocabulary 128 (tester: 99), vision initializer_range 0.02
+    (tester: 1e-10)."""
+    from transformers import Kosmos2Config, Kosmos2ForConditionalGeneration
+
+    text = {"vocab_size": 128, "embed_dim": 32, "layers": 2, "attention_heads": 4, "ffn_dim": 37, "dropout": 0.0,
+            "attention_dropout": 0.0, "activation_dropout": 0.0, "max_position_embeddings": 512, "pad_token_id": 0,
+            "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}  # fmt: skip
+    vision = {"image_size": 32, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 37, "attention_dropout": 0.0, "initializer_range": 0.02}  # fmt: skip
+    config = Kosmos2Config(text_config=text, vision_config=vision, latent_query_num=3, tie_word_embeddings=False)
+    return Kosmos2ForConditionalGeneration(_eager(config))
+
+
+def _kosmos2_mask(batch: dict[str, torch.Tensor], variant: str) -> dict[str, torch.Tensor]:
+    """Where the latent queries' image embeddings go: the placeholder tokens (none in a text row)."""
+    return {"image_embeds_position_mask": (batch["input_ids"] == 10).long()}
 
 
 # ----------------------------------------------------------------------------------------------------- idefics
@@ -406,6 +451,10 @@ def _pp_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tenso
     return {"pixel_values": torch.randn(n, 3, side, side, generator=g)}
 
 
+_IMAGE_ALWAYS = ("its forward runs the tower on every call ({}): a micro-batch without pixel_values fails in the "
+                 "model itself, so no text-only micro-batch, and no mixed batch, exists to align")  # fmt: skip
+_NAMED_FIRST = "; with fsdp-compat every rank raises the named error first"
+
 MODELS: list[TinyVlm] = [
     ShapeVlm(
         ("mllama",),
@@ -456,6 +505,33 @@ MODELS: list[TinyVlm] = [
         unaligned="missing 1 required positional argument: 'pixel_values'",
         note="as InstructBLIP: pixel_values (the video frames) is a required argument of the forward, so a "
         "text-only micro-batch fails by itself; with fsdp-compat every rank raises the named error first",
+    ),
+    ShapeVlm(
+        ("blip",),
+        _blip,
+        _blip_pixels,
+        tokens=0,
+        source="config defaults shrunk",
+        unaligned="missing 1 required positional argument: 'pixel_values'",
+        note=_IMAGE_ALWAYS.format("the text decoder cross-attends the image embeddings") + _NAMED_FIRST,
+    ),
+    ShapeVlm(
+        ("blip-2",),
+        _blip_2,
+        _blip_pixels,
+        tokens=4,
+        source="config defaults shrunk",
+        unaligned="missing 1 required positional argument: 'pixel_values'",
+        note=_IMAGE_ALWAYS.format("get_image_features unconditionally, pixel_values is required") + _NAMED_FIRST,
+    ),
+    ShapeVlm(
+        ("kosmos-2",),
+        _kosmos2,
+        _blip_pixels,
+        tokens=3,
+        extra=_kosmos2_mask,
+        unaligned="You have to specify either `pixel_values` or `image_embeds`.",
+        note=_IMAGE_ALWAYS.format("ValueError without pixel_values or image_embeds") + _NAMED_FIRST,
     ),
     ShapeVlm(
         ("idefics",),
