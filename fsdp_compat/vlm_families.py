@@ -267,6 +267,7 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("janus", "JanusModel", "vision_model"),
     _fixed("ovis2", "Ovis2Model"),
     VisionFamily("inkling", ("InklingModel",), ("pixel_values",), packed_patch_inputs, "vision_tower"),
+    VisionFamily("deepseek-vl-hybrid", ("DeepseekVLHybridModel",), ("pixel_values",), hybrid_inputs, "vision_model"),
 )
 
 # ------------------------------------------------------------------- image sizes and tiles (Pixtral, Idefics3)
@@ -377,6 +378,7 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("unlimited_ocr", ("UnlimitedOcrModel",), ("pixel_values", "pixel_values_local"), sam_inputs,
                  "vision_tower"),
     VisionFamily("step3p7", ("Step3p7Model",), ("pixel_values", "pixel_values_local"), fixed_inputs, "vision_model"),
+    VisionFamily("idefics2", ("Idefics2Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
 )
 
 # ------------------------------------------------------------------------------------------------- other shapes

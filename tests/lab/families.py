@@ -211,7 +211,8 @@ def family_note(found: DiscoveredVlm) -> str:
     own = tiny.note if tiny is not None else _ZOO_NOTES.get(found.name, "")
     gap = found.shape_gap()
     if status == STATUSES[0]:
-        ran = "image and text ranks: gloo abort unaligned, 0.0 aligned (families524)"
+        bound = "within 1e-6 relative" if getattr(tiny, "parity", "exact") == "reordered" else "0.0"
+        ran = f"image and text ranks: gloo abort unaligned, {bound} aligned (families524)"
         ran = f"{ran}; {own}" if own else ran
         return f"{ran} (shape: {gap})" if gap else ran
     if status == STATUSES[1]:

@@ -38,7 +38,9 @@ class TinyVlm:
     constructor of the outer model; ``pixels(config, generator, n)``: the forward's vision keywords for ``n`` random
     images, one per row; ``extra(batch, variant)``: keywords the family's forward needs beside ``input_ids`` (e.g.
     ``token_type_ids``); ``source``: where the sizes come from (the tester, or the config defaults shrunk); ``note``:
-    docs/families.md's note (required where the family has no row: why no dummy exists).
+    docs/families.md's note (required where the family has no row: why no dummy exists); ``parity``: ``"exact"``
+    (0.0) or ``"reordered"`` (within ``PARITY_TOL`` relative, where FSDP2 reorders a sum: the test then holds the
+    all-image run, which needs no dummy, to the same bound, and says so).
     """
 
     model_types: tuple[str, ...]
@@ -48,6 +50,7 @@ class TinyVlm:
     vocab_size: int = 128
     source: str = "tester"
     note: str = ""
+    parity: str = "exact"
     extra: Callable[[dict[str, torch.Tensor], str], dict[str, torch.Tensor]] | None = None
     is_vlm: bool = field(default=True, init=False)
 
