@@ -634,17 +634,12 @@ class _KnownFamily(MixedBatches):
         dummy = self._dummy(inner, device)
         target, self._target = self._target, None  # not counted as this forward's own calls
         try:
-            zero = _zero_of(self._features(inner.get_image_features(**dummy)))
+            zero = _zero_of(inner.get_image_features(**dummy))
         finally:
             self._target = target
         self.dummy_calls += 1
         if torch.is_grad_enabled() and zero is not None:
             self._zero = zero if self._zero is None else self._zero + zero
-
-    def _features(self, output: Any) -> Any:
-        """The part of ``get_image_features``' output that the forward joins to ``inputs_embeds`` (the row's
-        ``features``; the whole output when it names none)."""
-        return output if self.family.features is None else getattr(output, self.family.features)
 
     def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
@@ -661,7 +656,7 @@ class _KnownFamily(MixedBatches):
             self._target = None  # the dummies' own tower calls are not counted
             _, embeds = _inputs_embeds(module, args, kwargs)
             for _ in range(missing):
-                term = _zero_of(self._features(inner.get_image_features(**self._dummy(inner, embeds.device))))
+                term = _zero_of(inner.get_image_features(**self._dummy(inner, embeds.device)))
                 if term is not None:
                     zero = term if zero is None else zero + term
                 self.dummy_calls += 1

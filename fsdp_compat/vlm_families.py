@@ -112,10 +112,9 @@ class VisionFamily:
     and the text model; ``inputs`` lists the pixel arguments, one tower call each, in the order the forward makes
     them; ``dummy`` builds the ``get_image_features`` keywords of the family's smallest valid input from the inner
     model's config (one builder per tower kind, shared by the families of that kind). The dummy's features join the
-    graph at the text model's ``inputs_embeds``, where the real features join it too. ``features`` names the output
-    field the forward joins there, where other fields reach the graph another way or not at all (Emu3:
-    ``pooler_output``, the text embeddings of the codes; its ``last_hidden_state`` is the VQ encoder's, cut from the
-    loss by the quantizer's argmin); None: every floating tensor of the output.
+    graph at the text model's ``inputs_embeds``, where the real features join it too (the output's ``pooler_output``
+    and ``deepstack_features`` where it has them: Emu3's ``pooler_output`` is the text embeddings of its codes, its
+    ``last_hidden_state`` the VQ encoder's, cut from the loss by the quantizer's argmin).
     """
 
     name: str
@@ -124,7 +123,6 @@ class VisionFamily:
     dummy: DummyInputs = grid_inputs
     tower: str = "visual"
     text: str = "language_model"
-    features: str | None = None
 
 
 def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
@@ -417,9 +415,7 @@ def position_patch_inputs(config: Any, device: torch.device, dtype: torch.dtype)
 OTHER_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("fuyu", ("FuyuModel",), ("pixel_values",), flat_patch_inputs, "vision_embed_tokens", "language_model"),
     VisionFamily("gemma4-unified", ("Gemma4UnifiedModel",), dummy=position_patch_inputs, tower="embed_vision"),
-    VisionFamily(
-        "emu3", ("Emu3Model",), ("pixel_values",), vq_inputs, "vqmodel.encoder", "text_model", "pooler_output"
-    ),
+    VisionFamily("emu3", ("Emu3Model",), ("pixel_values",), vq_inputs, "vqmodel.encoder", "text_model"),
 )
 
 # ------------------------------------------------------------------------------------------------------- table

@@ -20,13 +20,13 @@ from fsdp_compat.testing.parity import (
     Diff,
     RankPositions,
     _fsdp_group_paths,
-    _mixed_batch_counters,
     accumulated_reference_backward,
     accumulation_step,
     init_group,
     loss_scale,
     rank_batches,
     reference_backward,
+    runtime_counters,
     sharded_twins_step,
     twin_step,
     worse,
@@ -93,7 +93,7 @@ def _accumulate(cfg: dict[str, Any], rank: int, mesh: Any, scale: float, out: di
         )  # fmt: skip
         out["losses"].append([float(x) for x in losses])
         out["reference_losses"].append([float(x) for x in ref_losses[rank]])
-    out["mixed_batches"] = _mixed_batch_counters(model)
+    out["mixed_batches"] = runtime_counters(model)["mixed_batches"]
     return diffs
 
 
@@ -153,7 +153,7 @@ def _checkpoint(cfg: dict[str, Any], rank: int, mesh: Any, scale: float, out: di
         out["losses"].append(float(step.loss.detach()))
         out["reference_losses"].append(float(step.ref_losses[rank]))
     out["forwards_per_step"] = {key: n / cfg["steps"] for key, n in calls.items()}
-    out["mixed_batches"] = _mixed_batch_counters(model)
+    out["mixed_batches"] = runtime_counters(model)["mixed_batches"]
     return diffs
 
 
@@ -225,5 +225,5 @@ def _bf16(cfg: dict[str, Any], rank: int, mesh: Any, scale: float, out: dict[str
             out["root_only_first_grads"] = control[0].abs
     out["root_only"] = {"grads": control[0].abs, "params": control[1].abs, "worst_grad": control[0].where}
     out["groups"] = {"auto": _fsdp_group_paths(model), "per_layer": _fsdp_group_paths(per_layer)}
-    out["mixed_batches"] = _mixed_batch_counters(model)
+    out["mixed_batches"] = runtime_counters(model)["mixed_batches"]
     return diffs

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_compat.testing.launch import RankResult, RunResult, run_ranks
-from fsdp_compat.testing.parity import Diff, _mixed_batch_counters, loss_scale, rank_batches, twin_step
+from fsdp_compat.testing.parity import Diff, loss_scale, rank_batches, runtime_counters, twin_step
 from fsdp_compat.testing.zoo import builder
 
 __all__ = [
@@ -211,7 +211,7 @@ def train_native(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankR
     result = train_against_reference(model, reference, batches, rank, cfg["steps"], scale=scale)
     extra["worst_param"] = result.pop("worst")
     extra["reference_losses"] = result.pop("reference_losses")
-    extra["mixed_batches"] = _mixed_batch_counters(model)
+    extra["mixed_batches"] = runtime_counters(model)["mixed_batches"]
     return RankResult(rank=rank, ok=True, extra=extra, **result)
 
 

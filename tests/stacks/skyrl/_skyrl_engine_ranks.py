@@ -30,11 +30,11 @@ from fsdp_compat.testing.launch import RankResult
 from fsdp_compat.testing.parity import (
     Diff,
     _fsdp_group_paths,
-    _mixed_batch_counters,
     full_tensor,
     gradient_reduction_factor,
     init_group,
     rank_result,
+    runtime_counters,
 )
 from fsdp_compat.testing.skyrl_smoke import _PACKAGES, installed_skyrl, probe
 
@@ -290,7 +290,7 @@ def init_and_train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Ran
                 params.add(name, full_tensor(p), ref_params[name])
         losses.append(float(loss.detach()))
     extra["reference_losses"] = ref_losses
-    extra["mixed_batches"] = _mixed_batch_counters(wrapped.model)
+    extra["mixed_batches"] = runtime_counters(wrapped.model)["mixed_batches"]
     extra["max_param_update"] = max(float((p - initial[n]).abs().max()) for n, p in ref_params.items())
     extra["probe"] = probe()
     return rank_result(rank, losses, grads, params, extra)
