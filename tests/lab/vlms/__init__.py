@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TinyVlm", "features_per_image", "fixed_pixels", "grid_pixels", "inner_model", "tiny_models"]
+__all__ = ["TinyVlm", "eager", "features_per_image", "fixed_pixels", "grid_pixels", "inner_model", "tiny_models"]
 
 Pixels = Callable[[Any, torch.Generator, int], dict[str, torch.Tensor]]
 
@@ -103,6 +103,17 @@ def _config(tiny: TinyVlm) -> Any:
 def _accepts(tiny: TinyVlm, name: str) -> bool:
     _config(tiny)
     return name in _FORWARD_ARGS[tiny.name]
+
+
+def eager(config: Any) -> Any:
+    """``config`` with eager attention, on itself and every sub-config that has an attention setting (the tiny
+    models compare against one process bit for bit: no fused kernels that may reorder sums)."""
+    config._attn_implementation = "eager"
+    for name in ("text_config", "vision_config", "qformer_config", "perceiver_config", "vq_config"):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            sub._attn_implementation = "eager"
+    return config
 
 
 def inner_model(model: nn.Module) -> nn.Module:

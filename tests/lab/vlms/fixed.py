@@ -7,17 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab.vlms import TinyVlm, fixed_pixels
-
-
-def _eager(config: Any) -> Any:
-    config._attn_implementation = "eager"
-    for name in ("text_config", "vision_config"):
-        sub = getattr(config, name, None)
-        if sub is not None:
-            sub._attn_implementation = "eager"
-    return config
-
+from lab.vlms import TinyVlm, eager, fixed_pixels
 
 _TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 _SIGLIP_64 = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -33,7 +23,7 @@ def _aya_vision() -> nn.Module:
     config = AyaVisionConfig(text_config=dict(_COHERE2), vision_config=dict(_SIGLIP_64), image_token_index=2,
                              vision_feature_layer=-1, downsample_factor=2, tie_word_embeddings=False,
                              **_TOKENS)  # fmt: skip
-    return AyaVisionForConditionalGeneration(_eager(config))
+    return AyaVisionForConditionalGeneration(eager(config))
 
 
 def _cohere2_vision() -> nn.Module:
@@ -42,7 +32,7 @@ def _cohere2_vision() -> nn.Module:
     config = Cohere2VisionConfig(text_config=dict(_COHERE2), vision_config=dict(_SIGLIP_64), image_token_id=2,
                                  downsample_factor=2, alignment_intermediate_size=32,
                                  tie_word_embeddings=False)  # fmt: skip
-    return Cohere2VisionForConditionalGeneration(_eager(config))
+    return Cohere2VisionForConditionalGeneration(eager(config))
 
 
 def _got_ocr2() -> nn.Module:
@@ -56,7 +46,7 @@ def _got_ocr2() -> nn.Module:
               "initializer_range": 0.02}  # fmt: skip
     config = GotOcr2Config(text_config=text, vision_config=vision, image_token_index=1, tie_word_embeddings=False,
                            **_TOKENS)  # fmt: skip
-    return GotOcr2ForConditionalGeneration(_eager(config))
+    return GotOcr2ForConditionalGeneration(eager(config))
 
 
 # tests/vlm_tester.py's VLMModelTester defaults (DeepSeek-VL's tester): hidden 32, 2 heads, image 8 x 8, patch 4.
@@ -74,7 +64,7 @@ def _deepseek_vl() -> nn.Module:
 
     config = DeepseekVLConfig(text_config=dict(_VLM_TESTER_TEXT), vision_config=dict(_VLM_TESTER_SIGLIP),
                               image_token_id=5, tie_word_embeddings=False)  # fmt: skip
-    return DeepseekVLForConditionalGeneration(_eager(config))
+    return DeepseekVLForConditionalGeneration(eager(config))
 
 
 def _janus() -> nn.Module:
@@ -89,7 +79,7 @@ def _janus() -> nn.Module:
           "channel_multiplier": [1, 1], "projection_dim": 10, "image_token_embed_dim": 32}  # fmt: skip
     config = JanusConfig(text_config=text, vision_config=vision, vq_config=vq, image_token_id=5,
                          tie_word_embeddings=False)  # fmt: skip
-    return JanusForConditionalGeneration(_eager(config))
+    return JanusForConditionalGeneration(eager(config))
 
 
 def _deepseek_vl_hybrid() -> nn.Module:
@@ -105,7 +95,7 @@ def _deepseek_vl_hybrid() -> nn.Module:
                 "num_channels": 3, "initializer_range": 0.02}  # fmt: skip
     config = DeepseekVLHybridConfig(text_config=text, vision_config=vision, high_res_vision_config=high_res,
                                     image_token_id=5, tie_word_embeddings=False)  # fmt: skip
-    return DeepseekVLHybridForConditionalGeneration(_eager(config))
+    return DeepseekVLHybridForConditionalGeneration(eager(config))
 
 
 def _ovis2() -> nn.Module:
@@ -119,7 +109,7 @@ def _ovis2() -> nn.Module:
               "qkv_bias": False, "hidden_stride": 2, "tokenize_function": "softmax"}  # fmt: skip
     config = Ovis2Config(text_config=text, vision_config=vision, image_token_id=5, visual_indicator_token_ids=[],
                          vocab_size=128, hidden_size=64, tie_word_embeddings=False)  # fmt: skip
-    return Ovis2ForConditionalGeneration(_eager(config))
+    return Ovis2ForConditionalGeneration(eager(config))
 
 
 def _video_llava() -> nn.Module:
@@ -132,7 +122,7 @@ def _video_llava() -> nn.Module:
               "num_attention_heads": 4, "image_size": 16, "patch_size": 4, "projection_dim": 32}  # fmt: skip
     config = VideoLlavaConfig(text_config=text, vision_config=vision, image_token_index=5, video_token_index=6,
                               vision_feature_layer=-1, tie_word_embeddings=False)  # fmt: skip
-    return VideoLlavaForConditionalGeneration(_eager(config))
+    return VideoLlavaForConditionalGeneration(eager(config))
 
 
 def _video_llava_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -152,7 +142,7 @@ def _florence2() -> nn.Module:
               "patch_padding": [3, 1], "patch_prenorm": [False, True], "embed_dim": [16, 16], "num_heads": [1, 1],
               "num_groups": [1, 1], "window_size": 12, "activation_function": "gelu", "projection_dim": 16}  # fmt: skip
     config = Florence2Config(text_config=text, vision_config=vision, image_token_id=5, initializer_range=0.02)
-    return Florence2ForConditionalGeneration(_eager(config))
+    return Florence2ForConditionalGeneration(eager(config))
 
 
 def _florence2_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -174,7 +164,7 @@ def _inkling() -> nn.Module:
                            audio_config={"hidden_size": 32, "n_mel_bins": 4, "mel_vocab_size": 8}, image_token_id=5,
                            audio_token_id=8, image_bos_token_id=6, audio_bos_token_id=7,
                            tie_word_embeddings=False)  # fmt: skip
-    return InklingForConditionalGeneration(_eager(config))
+    return InklingForConditionalGeneration(eager(config))
 
 
 def _inkling_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -194,30 +184,60 @@ def _hybrid_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.T
 MODELS = [
     TinyVlm(("aya_vision",), _aya_vision, fixed_pixels, image_token_id=2),
     TinyVlm(("cohere2_vision",), _cohere2_vision, fixed_pixels, image_token_id=2),
-    TinyVlm(("got_ocr2", "pp_chart2table"), _got_ocr2, fixed_pixels, image_token_id=1,
-            source="tester, vision initializer_range 0.02 (the SAM default 1e-10 gives the tower denormal gradients)"),
-    TinyVlm(("deepseek_vl",), _deepseek_vl, fixed_pixels, image_token_id=5,
-            source="tester (tests/vlm_tester.py's VLMModelTester defaults)"),
+    TinyVlm(
+        ("got_ocr2", "pp_chart2table"),
+        _got_ocr2,
+        fixed_pixels,
+        image_token_id=1,
+        source="tester, vision initializer_range 0.02 (the SAM default 1e-10 gives the tower denormal gradients)",
+    ),
+    TinyVlm(
+        ("deepseek_vl",),
+        _deepseek_vl,
+        fixed_pixels,
+        image_token_id=5,
+        source="tester (tests/vlm_tester.py's VLMModelTester defaults)",
+    ),
     TinyVlm(("janus",), _janus, fixed_pixels, image_token_id=5),
-    TinyVlm(("deepseek_vl_hybrid",), _deepseek_vl_hybrid, _hybrid_pixels, image_token_id=5,
-            source="tester, 2 SigLIP layers (tester: 1), SAM initializer_range 0.02 (default 1e-10)",
-parity="reordered",
-            note="within 1e-6 relative, not 0.0: the aligned image/text run is 1.5e-11 off (the SAM tower's "
-            "patch-embed conv weight gradient), as is its all-image run, which needs no dummy (2.9e-11): FSDP2 "
-            "reorders a sum"),
+    TinyVlm(
+        ("deepseek_vl_hybrid",),
+        _deepseek_vl_hybrid,
+        _hybrid_pixels,
+        image_token_id=5,
+        source="tester, 2 SigLIP layers (tester: 1), SAM initializer_range 0.02 (default 1e-10)",
+        parity="reordered",
+        note="within 1e-6 relative, not 0.0: the aligned image/text run is 1.5e-11 off (the SAM tower's "
+        "patch-embed conv weight gradient), as is its all-image run, which needs no dummy (2.9e-11): FSDP2 "
+        "reorders a sum",
+    ),
     TinyVlm(("ovis2",), _ovis2, fixed_pixels, image_token_id=5),
-    TinyVlm(("video_llava",), _video_llava, _video_llava_pixels, image_token_id=5,
-            source="config defaults shrunk (CLIP 2 x 32, image 16, patch 4; Llama 2 x 32)",
-            note="no row: images and videos run through two separate towers (image_tower, video_tower), and a row "
-            "drives one tower's dummy (get_image_features), so a rank with videos against one without would still "
-            "fall out of step; every rank raises the mixed-batch FsdpCompatError"),
-    TinyVlm(("inkling_mm_model",), _inkling, _inkling_pixels, image_token_id=5,
-            source="tester (InklingVision2TextModelTester; text as InklingTextModelTester: hybrid_sliding + hybrid "
-            "layers, dense + sparse MLPs), 2 of 16 experts per token; needs scipy (transformers' Inkling tower)"),
-    TinyVlm(("florence2",), _florence2, _florence2_pixels, image_token_id=5,
-            source="tester, 2 encoder + 2 decoder layers and 2 DaViT stages (tester: 1 each), dropout 0; BART ties "
-            "its embeddings (no untied variant)",
-            note="no row: the features join BART's encoder input (the forward calls language_model.encoder, so a "
-            "hook on language_model never runs), and the tied BART embeddings leave even its all-image run 1.5e-08 "
-            "off; every rank raises the mixed-batch FsdpCompatError"),
+    TinyVlm(
+        ("video_llava",),
+        _video_llava,
+        _video_llava_pixels,
+        image_token_id=5,
+        source="config defaults shrunk (CLIP 2 x 32, image 16, patch 4; Llama 2 x 32)",
+        note="no row: images and videos run through two separate towers (image_tower, video_tower), and a row "
+        "drives one tower's dummy (get_image_features), so a rank with videos against one without would still "
+        "fall out of step; every rank raises the mixed-batch FsdpCompatError",
+    ),
+    TinyVlm(
+        ("inkling_mm_model",),
+        _inkling,
+        _inkling_pixels,
+        image_token_id=5,
+        source="tester (InklingVision2TextModelTester; text as InklingTextModelTester: hybrid_sliding + hybrid "
+        "layers, dense + sparse MLPs), 2 of 16 experts per token; needs scipy (transformers' Inkling tower)",
+    ),
+    TinyVlm(
+        ("florence2",),
+        _florence2,
+        _florence2_pixels,
+        image_token_id=5,
+        source="tester, 2 encoder + 2 decoder layers and 2 DaViT stages (tester: 1 each), dropout 0; BART ties "
+        "its embeddings (no untied variant)",
+        note="no row: the features join BART's encoder input (the forward calls language_model.encoder, so a "
+        "hook on language_model never runs), and the tied BART embeddings leave even its all-image run 1.5e-08 "
+        "off; every rank raises the mixed-batch FsdpCompatError",
+    ),
 ]

@@ -8,15 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_compat.testing.zoo import _GLM_TOKENS, _GLM_VISION, glm4v_config
-from lab.vlms import TinyVlm, grid_pixels
-
-
-def _eager(config: Any) -> Any:
-    config._attn_implementation = "eager"
-    for sub in ("text_config", "vision_config"):
-        if getattr(config, sub, None) is not None:
-            getattr(config, sub)._attn_implementation = "eager"
-    return config
+from lab.vlms import TinyVlm, eager, grid_pixels
 
 
 def _glm46v() -> nn.Module:
@@ -26,7 +18,7 @@ def _glm46v() -> nn.Module:
     glm4v = glm4v_config()
     config = Glm46VConfig(text_config=glm4v.text_config.to_dict(), vision_config=dict(_GLM_VISION),
                           tie_word_embeddings=False, **_GLM_TOKENS)  # fmt: skip
-    return Glm46VForConditionalGeneration(_eager(config))
+    return Glm46VForConditionalGeneration(eager(config))
 
 
 # The shared text-tester defaults of transformers' tests (causal_lm_tester's _TEXT_MODEL_TESTER_DEFAULTS), vocab 128.
@@ -52,7 +44,7 @@ def _qwen3_vl_moe() -> nn.Module:
                   deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")  # fmt: skip
     config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, pad_token_id=0,
                               **_QWEN3_TOKENS)  # fmt: skip
-    return Qwen3VLMoeForConditionalGeneration(_eager(config))
+    return Qwen3VLMoeForConditionalGeneration(eager(config))
 
 
 # Qwen3.5 testers' text (hybrid: one full-attention, one gated-delta-net layer) and vision (patch 16, merge 1).
@@ -74,7 +66,7 @@ def _qwen3_5() -> nn.Module:
 
     config = Qwen3_5Config(text_config=dict(_QWEN3_5_TEXT), vision_config=dict(_QWEN3_5_VISION),
                            tie_word_embeddings=False, **_QWEN3_TOKENS)  # fmt: skip
-    return Qwen3_5ForConditionalGeneration(_eager(config))
+    return Qwen3_5ForConditionalGeneration(eager(config))
 
 
 def _qwen3_5_moe() -> nn.Module:
@@ -85,7 +77,7 @@ def _qwen3_5_moe() -> nn.Module:
                 num_experts=8)  # fmt: skip
     config = Qwen3_5MoeConfig(text_config=text, vision_config=dict(_QWEN3_5_VISION), tie_word_embeddings=False,
                               **_QWEN3_TOKENS)  # fmt: skip
-    return Qwen3_5MoeForConditionalGeneration(_eager(config))
+    return Qwen3_5MoeForConditionalGeneration(eager(config))
 
 
 def _glm_ocr() -> nn.Module:
@@ -101,7 +93,7 @@ def _glm_ocr() -> nn.Module:
     config = GlmOcrConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, video_start_token_id=3,
                           video_end_token_id=4, image_start_token_id=5, image_end_token_id=6, image_token_id=7,
                           video_token_id=8)  # fmt: skip
-    return GlmOcrForConditionalGeneration(_eager(config))
+    return GlmOcrForConditionalGeneration(eager(config))
 
 
 def _glm5_next() -> nn.Module:
@@ -123,7 +115,7 @@ def _glm5_next() -> nn.Module:
     config = Glm5NextConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, video_start_token_id=3,
                             video_end_token_id=4, image_start_token_id=5, image_end_token_id=6, image_token_id=7,
                             video_token_id=8)  # fmt: skip
-    return Glm5NextForConditionalGeneration(_eager(config))
+    return Glm5NextForConditionalGeneration(eager(config))
 
 
 _OMNI_NOTE = (
@@ -152,7 +144,7 @@ def _qwen2_5_omni_thinker() -> nn.Module:
                                       audio_start_token_id=4, audio_end_token_id=5, user_token_id=6,
                                       vision_start_token_id=7, vision_end_token_id=8,
                                       tie_word_embeddings=False)  # fmt: skip
-    return Qwen2_5OmniThinkerForConditionalGeneration(_eager(config))
+    return Qwen2_5OmniThinkerForConditionalGeneration(eager(config))
 
 
 def _qwen3_omni_moe_thinker() -> nn.Module:
@@ -177,7 +169,7 @@ def _qwen3_omni_moe_thinker() -> nn.Module:
                                        seconds_per_chunk=2, audio_start_token_id=4, audio_end_token_id=5,
                                        user_token_id=6, vision_start_token_id=7, vision_end_token_id=8,
                                        tie_word_embeddings=False)  # fmt: skip
-    return Qwen3OmniMoeThinkerForConditionalGeneration(_eager(config))
+    return Qwen3OmniMoeThinkerForConditionalGeneration(eager(config))
 
 
 def grid_patch_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -208,7 +200,7 @@ def _paddleocr_vl() -> nn.Module:
     config = PaddleOCRVLConfig(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
                                vision_start_token_id=12, vision_end_token_id=13,
                                tie_word_embeddings=False)  # fmt: skip
-    return PaddleOCRVLForConditionalGeneration(_eager(config))
+    return PaddleOCRVLForConditionalGeneration(eager(config))
 
 
 def _cosmos3_omni() -> nn.Module:
@@ -227,7 +219,7 @@ def _cosmos3_omni() -> nn.Module:
                   hidden_act="gelu_pytorch_tanh")  # fmt: skip
     config = Cosmos3OmniConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, pad_token_id=0,
                                **_QWEN3_TOKENS)  # fmt: skip
-    return Cosmos3OmniForConditionalGeneration(_eager(config))
+    return Cosmos3OmniForConditionalGeneration(eager(config))
 
 
 def _hyperclovax_vision_v2() -> nn.Module:
@@ -243,7 +235,7 @@ def _hyperclovax_vision_v2() -> nn.Module:
                   tokens_per_second=1)  # fmt: skip
     config = HyperCLOVAXVisionV2Config(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
                                        tie_word_embeddings=False)  # fmt: skip
-    return HyperCLOVAXVisionV2ForConditionalGeneration(_eager(config))
+    return HyperCLOVAXVisionV2ForConditionalGeneration(eager(config))
 
 
 def _exaone4_5() -> nn.Module:
@@ -259,7 +251,7 @@ def _exaone4_5() -> nn.Module:
                   out_hidden_size=32)  # fmt: skip
     config = Exaone4_5_Config(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
                               tie_word_embeddings=False)  # fmt: skip
-    return Exaone4_5_ForConditionalGeneration(_eager(config))
+    return Exaone4_5_ForConditionalGeneration(eager(config))
 
 
 def _cohere_compass() -> nn.Module:
@@ -278,7 +270,7 @@ def _cohere_compass() -> nn.Module:
     config = CohereCompassConfig(text_config=text, vision_config=vision, image_token_id=5, vision_start_token_id=6,
                                  vision_end_token_id=7, video_token_id=8, tie_word_embeddings=False,
                                  pad_token_id=0)  # fmt: skip
-    return CohereCompassForConditionalGeneration(_eager(config))
+    return CohereCompassForConditionalGeneration(eager(config))
 
 
 def _qwen4_exp() -> nn.Module:
@@ -303,7 +295,7 @@ def _qwen4_exp() -> nn.Module:
                   num_position_embeddings=16)  # fmt: skip
     config = Qwen4ExpConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
                             **_QWEN3_TOKENS)  # fmt: skip
-    return Qwen4ExpForConditionalGeneration(_eager(config))
+    return Qwen4ExpForConditionalGeneration(eager(config))
 
 
 MODELS = [

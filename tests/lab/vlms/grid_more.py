@@ -12,16 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab.vlms import TinyVlm, grid_pixels
-
-
-def _eager(config: Any) -> Any:
-    config._attn_implementation = "eager"
-    for sub in ("text_config", "vision_config"):
-        if getattr(config, sub, None) is not None:
-            getattr(config, sub)._attn_implementation = "eager"
-    return config
-
+from lab.vlms import TinyVlm, eager, grid_pixels
 
 # ------------------------------------------------------------------------------------------------- ERNIE 4.5 VL
 
@@ -40,7 +31,7 @@ def _ernie4_5_vl_moe() -> nn.Module:
     config = Ernie4_5_VLMoeConfig(text_config=text, vision_config=vision, image_token_id=7, video_token_id=8,
                                   video_start_token_id=3, video_end_token_id=4, image_start_token_id=5,
                                   image_end_token_id=6, tie_word_embeddings=False)  # fmt: skip
-    return Ernie4_5_VLMoeForConditionalGeneration(_eager(config))
+    return Ernie4_5_VLMoeForConditionalGeneration(eager(config))
 
 
 def _ernie_moe_types(batch: dict[str, torch.Tensor], variant: str) -> dict[str, torch.Tensor]:
@@ -80,7 +71,7 @@ def _kimi_k25() -> nn.Module:
     config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32, image_token_id=3,
                             video_token_id=4, vision_start_token_id=5, vision_end_token_id=6,
                             tie_word_embeddings=False)  # fmt: skip
-    return Kimi_K25ForConditionalGeneration(_eager(config))
+    return Kimi_K25ForConditionalGeneration(eager(config))
 
 
 # ------------------------------------------------------------------------------------------------------ HunYuanVL
@@ -109,7 +100,7 @@ def _hunyuan_vl() -> nn.Module:
               "temporal_patch_size": 1, "spatial_merge_size": 1, "out_hidden_size": 64, "text_hidden_size": 64,
               "max_image_size": 64, "min_image_size": 64, "max_vit_seq_len": 16}  # fmt: skip
     config = HunYuanVLConfig(text_config=text, vision_config=vision, image_token_id=5, tie_word_embeddings=False)
-    return HunYuanVLForConditionalGeneration(_eager(config))
+    return HunYuanVLForConditionalGeneration(eager(config))
 
 
 # ---------------------------------------------------------------------------------------------------- VideoLLaMA3
@@ -140,7 +131,7 @@ def _video_llama_3() -> nn.Module:
               "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-06, "attention_dropout": 0.0}  # fmt: skip
     config = VideoLlama3Config(text_config=text, vision_config=vision, use_token_compression=True, image_token_id=3,
                                video_token_id=4, tie_word_embeddings=False)  # fmt: skip
-    return VideoLlama3ForConditionalGeneration(_eager(config))
+    return VideoLlama3ForConditionalGeneration(eager(config))
 
 
 # -------------------------------------------------------------------------------------------------- MiniMax-M3-VL
@@ -168,7 +159,7 @@ def _minimax_m3_vl() -> nn.Module:
               "spatial_merge_size": 1}  # fmt: skip
     config = MiniMaxM3VLConfig(text_config=text, vision_config=vision, image_token_index=4, video_token_index=5,
                                projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
-    return MiniMaxM3SparseForConditionalGeneration(_eager(config))
+    return MiniMaxM3SparseForConditionalGeneration(eager(config))
 
 
 # ----------------------------------------------------------------------------------------------------- dots3 note
@@ -203,7 +194,7 @@ def _dots3_note() -> nn.Module:
         audio_start_token_id=8, audio_end_token_id=9, audio_token_id=12, pad_token_id=0, bos_token_id=1,
         eos_token_id=2, vision_config=vision, audio_config=audio, tie_word_embeddings=False,
     )  # fmt: skip
-    return Dots3NoteForConditionalGeneration(_eager(config))
+    return Dots3NoteForConditionalGeneration(eager(config))
 
 
 # -------------------------------------------------------------------------------------------------------- LFM3-VL
@@ -225,7 +216,7 @@ def _lfm3_vl() -> nn.Module:
     config = Lfm3VlConfig(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
                           vision_start_token_id=12, vision_end_token_id=13, projector_hidden_size=64,
                           tie_word_embeddings=False)  # fmt: skip
-    return Lfm3VlForConditionalGeneration(_eager(config))
+    return Lfm3VlForConditionalGeneration(eager(config))
 
 
 # --------------------------------------------------------------------------------------------------- Cosmos3 Edge
@@ -246,7 +237,7 @@ def _cosmos3_edge() -> nn.Module:
     config = Cosmos3EdgeConfig(text_config=text, vision_config=vision, projector_hidden_size=64, image_token_id=3,
                                video_token_id=4, vision_start_token_id=5, vision_end_token_id=6,
                                tie_word_embeddings=False)  # fmt: skip
-    return Cosmos3EdgeForConditionalGeneration(_eager(config))
+    return Cosmos3EdgeForConditionalGeneration(eager(config))
 
 
 # ------------------------------------------------------------------------------------------------------- HY-V4-VL
@@ -273,7 +264,7 @@ def _hy_v4_vl() -> nn.Module:
               "max_image_size": 16, "out_hidden_size": 32}  # fmt: skip
     config = HYV4VLConfig(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
                           tie_word_embeddings=False)  # fmt: skip
-    return HYV4VLForConditionalGeneration(_eager(config))
+    return HYV4VLForConditionalGeneration(eager(config))
 
 
 # ------------------------------------------------------------------------------------------------------- Inkling 2
@@ -319,7 +310,7 @@ def _inkling2() -> nn.Module:
 
     text, vision = _inkling2_sizes()
     config = Inkling2Config(text_config=text, vision_config=vision, image_token_id=10, tie_word_embeddings=False)
-    return Inkling2ForConditionalGeneration(_eager(config))
+    return Inkling2ForConditionalGeneration(eager(config))
 
 
 def _inkling2_loop() -> nn.Module:
@@ -331,7 +322,7 @@ def _inkling2_loop() -> nn.Module:
     text.update(loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=4)
     config = Inkling2LoopConfig(text_config=text, vision_config={"model_type": "inkling2_vision", **vision},
                                 image_token_id=10, tie_word_embeddings=False)  # fmt: skip
-    return Inkling2LoopForConditionalGeneration(_eager(config))
+    return Inkling2LoopForConditionalGeneration(eager(config))
 
 
 # ---------------------------------------------------------------------------------------------------- MuseGlimmer
@@ -362,7 +353,7 @@ def _muse_glimmer() -> nn.Module:
               "layer_types": ["window_attention", "full_attention"]}  # fmt: skip
     config = MuseGlimmerConfig(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
                                out_hidden_size=32, projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
-    return MuseGlimmerForConditionalGeneration(_eager(config))
+    return MuseGlimmerForConditionalGeneration(eager(config))
 
 
 def _muse_spark() -> nn.Module:
@@ -384,7 +375,7 @@ def _muse_spark() -> nn.Module:
     config = MuseSparkConfig(text_config=text, vision_config=vision, audio_config=audio, image_token_id=3,
                              video_token_id=4, audio_token_id=5, out_hidden_size=32, projector_hidden_size=32,
                              tie_word_embeddings=False)  # fmt: skip
-    return MuseSparkForConditionalGeneration(_eager(config))
+    return MuseSparkForConditionalGeneration(eager(config))
 
 
 # ------------------------------------------------------------------------------------------ Nemotron-H Omni (RADIO)
@@ -418,36 +409,80 @@ def _nemotron_h_omni() -> nn.Module:
                                                 downsample_ratio=0.5, vision_hidden_size=32,
                                                 projector_hidden_size=64, image_token_id=10, video_token_id=10,
                                                 tie_word_embeddings=False)  # fmt: skip
-    return NemotronH_Omni_Reasoning_V3(_eager(config))
+    return NemotronH_Omni_Reasoning_V3(eager(config))
 
 
 MODELS = [
-    TinyVlm(("ernie4_5_vl_moe",), _ernie4_5_vl_moe, grid_pixels, image_token_id=7, extra=_ernie_moe_types,
-            note="no row: the processor's moe_mm_token_type_ids send image tokens to the vision experts of every "
-            "sparse text layer (Ernie4_5_VLMoeMoeBlock.vision_moe runs only when they mark a token), which a text "
-            "rank skips, so its text layers' reduce-scatters differ whatever the tower does (a tower-dummy row still "
-            "aborts in gloo, families524): every rank raises the mixed-batch FsdpCompatError naming the class, the "
-            "ranks and the fix"),
-    TinyVlm(("kimi_k25",), _kimi_k25, conv_patch_pixels, image_token_id=3,
-            source="tester (its kwargs over VLMModelTester's defaults)"),
+    TinyVlm(
+        ("ernie4_5_vl_moe",),
+        _ernie4_5_vl_moe,
+        grid_pixels,
+        image_token_id=7,
+        extra=_ernie_moe_types,
+        note="no row: the processor's moe_mm_token_type_ids send image tokens to the vision experts of every "
+        "sparse text layer (Ernie4_5_VLMoeMoeBlock.vision_moe runs only when they mark a token), which a text "
+        "rank skips, so its text layers' reduce-scatters differ whatever the tower does (a tower-dummy row still "
+        "aborts in gloo, families524): every rank raises the mixed-batch FsdpCompatError naming the class, the "
+        "ranks and the fix",
+    ),
+    TinyVlm(
+        ("kimi_k25",),
+        _kimi_k25,
+        conv_patch_pixels,
+        image_token_id=3,
+        source="tester (its kwargs over VLMModelTester's defaults)",
+    ),
     TinyVlm(("hunyuan_vl",), _hunyuan_vl, wide_grid_pixels, image_token_id=5),
     TinyVlm(("video_llama_3",), _video_llama_3, merge_size_pixels, image_token_id=3),
-    TinyVlm(("minimax_m3_vl",), _minimax_m3_vl, grid_pixels, image_token_id=4,
-            source="tester (its legacy config keys, which 5.24 still maps)"),
-    TinyVlm(("dots3_note",), _dots3_note, grid_pixels, image_token_id=10,
-            source="tester (get_tiny_config, DSA off, special tokens below 16)"),
+    TinyVlm(
+        ("minimax_m3_vl",),
+        _minimax_m3_vl,
+        grid_pixels,
+        image_token_id=4,
+        source="tester (its legacy config keys, which 5.24 still maps)",
+    ),
+    TinyVlm(
+        ("dots3_note",),
+        _dots3_note,
+        grid_pixels,
+        image_token_id=10,
+        source="tester (get_tiny_config, DSA off, special tokens below 16)",
+    ),
     TinyVlm(("lfm3_vl",), _lfm3_vl, grid_pixels, source="no tester stored: the config defaults shrunk"),
     TinyVlm(("cosmos3_edge",), _cosmos3_edge, grid_pixels, image_token_id=3),
     TinyVlm(("hy_v4_vl",), _hy_v4_vl, wide_grid_pixels, source="no tester stored: the config defaults shrunk"),
-    TinyVlm(("inkling2",), _inkling2, token_patch_pixels, source="no tester stored: the config defaults shrunk",
-            note=_INKLING_NOTE.format(text="3.5e-08, parameters 1.3e-06")),
-    TinyVlm(("inkling2_loop",), _inkling2_loop, token_patch_pixels,
-            source="no tester stored: the config defaults shrunk (Inkling 2's sizes)",
-            note=_INKLING_NOTE.format(text="4.6e-08, parameters 9.3e-07")),
-    TinyVlm(("muse_glimmer",), _muse_glimmer, muse_pixels, image_token_id=3,
-            source="tester (its kwargs over VLMModelTester's defaults)"),
-    TinyVlm(("muse_spark",), _muse_spark, muse_pixels, image_token_id=3,
-            source="no tester stored: the config defaults shrunk"),
-    TinyVlm(("nemotron_h_omni",), _nemotron_h_omni, grid_hw_pixels,
-            source="tester (text cut to an attention and a MoE block, no audio)"),
+    TinyVlm(
+        ("inkling2",),
+        _inkling2,
+        token_patch_pixels,
+        source="no tester stored: the config defaults shrunk",
+        note=_INKLING_NOTE.format(text="3.5e-08, parameters 1.3e-06"),
+    ),
+    TinyVlm(
+        ("inkling2_loop",),
+        _inkling2_loop,
+        token_patch_pixels,
+        source="no tester stored: the config defaults shrunk (Inkling 2's sizes)",
+        note=_INKLING_NOTE.format(text="4.6e-08, parameters 9.3e-07"),
+    ),
+    TinyVlm(
+        ("muse_glimmer",),
+        _muse_glimmer,
+        muse_pixels,
+        image_token_id=3,
+        source="tester (its kwargs over VLMModelTester's defaults)",
+    ),
+    TinyVlm(
+        ("muse_spark",),
+        _muse_spark,
+        muse_pixels,
+        image_token_id=3,
+        source="no tester stored: the config defaults shrunk",
+    ),
+    TinyVlm(
+        ("nemotron_h_omni",),
+        _nemotron_h_omni,
+        grid_hw_pixels,
+        source="tester (text cut to an attention and a MoE block, no audio)",
+    ),
 ]

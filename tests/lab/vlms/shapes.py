@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab.vlms import TinyVlm, features_per_image
+from lab.vlms import TinyVlm, eager, features_per_image
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,6 @@ class ShapeVlm(TinyVlm):
         return batch
 
 
-def _eager(config: Any) -> Any:
-    config._attn_implementation = "eager"
-    for sub in ("text_config", "vision_config", "qformer_config", "perceiver_config", "vq_config"):
-        inner = getattr(config, sub, None)
-        if inner is not None and hasattr(inner, "_attn_implementation"):
-            inner._attn_implementation = "eager"
-    return config
-
-
 _TEXT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
@@ -76,7 +67,7 @@ def _mllama() -> nn.Module:
               "num_global_layers": 2, "attention_heads": 4,
               "intermediate_size": 37, "max_num_tiles": 1, "supported_aspect_ratios": [[1, 1]]}  # fmt: skip
     config = MllamaConfig(text_config=text, vision_config=vision, image_token_index=10, tie_word_embeddings=False)
-    return MllamaForConditionalGeneration(_eager(config))
+    return MllamaForConditionalGeneration(eager(config))
 
 
 def _mllama_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -100,7 +91,7 @@ def _fuyu() -> nn.Module:
     text = {k: v for k, v in _TEXT.items() if k != "num_key_value_heads"}
     config = FuyuConfig(**text, patch_size=30, num_channels=3, image_token_id=10, tie_word_embeddings=False,
                         text_config={**text, "model_type": "persimmon"})  # fmt: skip
-    return FuyuForCausalLM(_eager(config))
+    return FuyuForCausalLM(eager(config))
 
 
 def _fuyu_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -128,7 +119,7 @@ def _chameleon() -> nn.Module:
           "channel_multiplier": [1, 2], "num_res_blocks": 1, "attn_resolutions": []}  # fmt: skip
     text = {**_TEXT, "vocab_size": 144}  # ids 128-143: the image codes (their logits are masked: no text label)
     config = ChameleonConfig(**text, vq_config=vq, vocabulary_map=_vq_vocab(16, 128), tie_word_embeddings=False)
-    return ChameleonForConditionalGeneration(_eager(config))
+    return ChameleonForConditionalGeneration(eager(config))
 
 
 def _chameleon_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -152,7 +143,7 @@ def _instructblip() -> nn.Module:
     config = InstructBlipConfig(vision_config=_BLIP_VISION, qformer_config=_QFORMER,
                                 text_config={**_TEXT, "model_type": "llama"}, num_query_tokens=4,
                                 image_token_index=10, tie_word_embeddings=False)  # fmt: skip
-    return InstructBlipForConditionalGeneration(_eager(config))
+    return InstructBlipForConditionalGeneration(eager(config))
 
 
 def _instructblipvideo() -> nn.Module:
@@ -162,7 +153,7 @@ def _instructblipvideo() -> nn.Module:
     config = InstructBlipVideoConfig(vision_config=_BLIP_VISION, qformer_config=_QFORMER,
                                      text_config={**_TEXT, "model_type": "llama"}, num_query_tokens=4,
                                      video_token_index=10, tie_word_embeddings=False)  # fmt: skip
-    return InstructBlipVideoForConditionalGeneration(_eager(config))
+    return InstructBlipVideoForConditionalGeneration(eager(config))
 
 
 def _blip() -> nn.Module:
@@ -174,7 +165,7 @@ def _blip() -> nn.Module:
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512, "pad_token_id": 0,
             "bos_token_id": 1, "eos_token_id": 2, "sep_token_id": 3, "tie_word_embeddings": False}  # fmt: skip
     config = BlipConfig(text_config=text, vision_config=_BLIP_VISION, tie_word_embeddings=False)
-    return BlipForConditionalGeneration(_eager(config))
+    return BlipForConditionalGeneration(eager(config))
 
 
 def _blip_2() -> nn.Module:
@@ -184,7 +175,7 @@ def _blip_2() -> nn.Module:
     config = Blip2Config(vision_config=_BLIP_VISION, qformer_config=_QFORMER,
                          text_config={**_TEXT, "model_type": "llama"}, num_query_tokens=4, image_token_index=10,
                          tie_word_embeddings=False)  # fmt: skip
-    return Blip2ForConditionalGeneration(_eager(config))
+    return Blip2ForConditionalGeneration(eager(config))
 
 
 def _blip_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -219,7 +210,7 @@ def _kosmos2() -> nn.Module:
     vision = {"image_size": 32, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "intermediate_size": 37, "attention_dropout": 0.0, "initializer_range": 0.02}  # fmt: skip
     config = Kosmos2Config(text_config=text, vision_config=vision, latent_query_num=3, tie_word_embeddings=False)
-    return Kosmos2ForConditionalGeneration(_eager(config))
+    return Kosmos2ForConditionalGeneration(eager(config))
 
 
 def _kosmos2_mask(batch: dict[str, torch.Tensor], variant: str) -> dict[str, torch.Tensor]:
@@ -240,7 +231,7 @@ def _idefics() -> nn.Module:
     text = {k: v for k, v in _TEXT.items() if k != "num_key_value_heads"}
     config = IdeficsConfig(**text, vision_config=vision, cross_layer_interval=1, use_resampler=False,
                            freeze_text_layers=False, freeze_vision_layers=False)  # fmt: skip
-    return IdeficsForVisionText2Text(_eager(config))
+    return IdeficsForVisionText2Text(eager(config))
 
 
 def _idefics_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -266,7 +257,7 @@ def _git() -> nn.Module:
               "image_size": 30, "patch_size": 2}  # fmt: skip
     text = {k: v for k, v in _TEXT.items() if k != "num_key_value_heads"}
     config = GitConfig(vision_config=vision, **text, tie_word_embeddings=False)
-    return GitForCausalLM(_eager(config))
+    return GitForCausalLM(eager(config))
 
 
 # -------------------------------------------------------------------------------------------------------- emu3
@@ -283,7 +274,7 @@ def _emu3() -> nn.Module:
     text = {**_TEXT, "vocab_size": 144, "model_type": "emu3_text_model", "attention_dropout": 0.0}
     vocab = {"<image>": 10, "<|extra_200|>": 11, **{f"<|visual token{code:06d}|>": 128 + code for code in range(16)}}
     config = Emu3Config(vq_config=vq, text_config=text, vocabulary_map=vocab, tie_word_embeddings=False)
-    return Emu3ForConditionalGeneration(_eager(config))
+    return Emu3ForConditionalGeneration(eager(config))
 
 
 def _emu3_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -306,7 +297,7 @@ def _gemma4_unified() -> nn.Module:
     config = Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=None, image_token_id=10,
                                  video_token_id=11, boi_token_id=12, eoi_token_id=13, audio_token_id=14,
                                  boa_token_id=15, eoa_token_index=3, tie_word_embeddings=False)  # fmt: skip
-    return Gemma4UnifiedForConditionalGeneration(_eager(config))
+    return Gemma4UnifiedForConditionalGeneration(eager(config))
 
 
 def _unified_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -333,7 +324,7 @@ def _t5gemma2() -> nn.Module:
                "eoi_token_index": 13, "image_token_index": 10}  # fmt: skip
     config = T5Gemma2Config(encoder=encoder, decoder=dict(text), image_token_index=10, eoi_token_index=13,
                             tie_word_embeddings=False, dropout_rate=0.0)  # fmt: skip
-    return T5Gemma2ForConditionalGeneration(_eager(config))
+    return T5Gemma2ForConditionalGeneration(eager(config))
 
 
 def _t5gemma2_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -353,7 +344,7 @@ def _pix2struct() -> nn.Module:
     vision = {"hidden_size": 32, "patch_embed_hidden_size": 12, "d_ff": 37, "d_kv": 8, "num_hidden_layers": 2,
               "num_attention_heads": 4, "seq_len": 16}  # fmt: skip
     config = Pix2StructConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return Pix2StructForConditionalGeneration(_eager(config))
+    return Pix2StructForConditionalGeneration(eager(config))
 
 
 def _pix2struct_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -396,7 +387,7 @@ def _vision_encoder_decoder() -> nn.Module:
                          attention_probs_dropout_prob=0.0, pad_token_id=0)  # fmt: skip
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
     config.decoder_start_token_id, config.pad_token_id = 1, 0
-    return VisionEncoderDecoderModel(config=_eager(config))
+    return VisionEncoderDecoderModel(config=eager(config))
 
 
 def _vit_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -414,7 +405,7 @@ def _udop() -> nn.Module:
     config = UdopConfig(vocab_size=128, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4,
                         dropout_rate=0.0, image_size=16, patch_size=4, tie_word_embeddings=False,
                         decoder_start_token_id=0)  # fmt: skip
-    return UdopForConditionalGeneration(_eager(config))
+    return UdopForConditionalGeneration(eager(config))
 
 
 def _udop_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -443,7 +434,7 @@ def _pp_formulanet() -> nn.Module:
             "dropout": 0.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
             "decoder_start_token_id": 2}  # fmt: skip
     config = PPFormulaNetConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return PPFormulaNetForConditionalGeneration(_eager(config))
+    return PPFormulaNetForConditionalGeneration(eager(config))
 
 
 def _pp_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:

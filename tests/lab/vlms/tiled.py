@@ -9,17 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab.vlms import TinyVlm, fixed_pixels
+from lab.vlms import TinyVlm, eager, fixed_pixels
 
 IMAGE = 10  # the image placeholder token of every model here (special ids < 16)
-
-
-def _eager(config: Any) -> Any:
-    config._attn_implementation = "eager"
-    for sub in ("text_config", "vision_config"):
-        if getattr(config, sub, None) is not None:
-            getattr(config, sub)._attn_implementation = "eager"
-    return config
 
 
 def _qwen2_text(**extra: Any) -> dict[str, Any]:
@@ -44,12 +36,17 @@ def _internvl() -> nn.Module:
     config = InternVLConfig(text_config=_qwen2_text(hidden_size=128), vision_config=vision, image_token_id=IMAGE,
                             image_seq_length=16, vision_feature_layer=-1, bos_token_id=0, eos_token_id=0,
                             pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
-    return InternVLForConditionalGeneration(_eager(config))
+    return InternVLForConditionalGeneration(eager(config))
 
 
 MODELS = [
-    TinyVlm(("internvl",), _internvl, fixed_pixels, IMAGE,
-            source="tester (text hidden 128, vision hidden 32 patch 4), image_size 32 instead of 64: 16 tokens"),
+    TinyVlm(
+        ("internvl",),
+        _internvl,
+        fixed_pixels,
+        IMAGE,
+        source="tester (text hidden 128, vision hidden 32 patch 4), image_size 32 instead of 64: 16 tokens",
+    ),
 ]
 
 
@@ -72,7 +69,7 @@ def _llava_next(prefix: str, **extra: Any) -> Callable[[], nn.Module]:
             vision_feature_select_strategy="default", vision_feature_layer=-2, image_grid_pinpoints=_PINPOINTS,
             tie_word_embeddings=False, **extra,
         )  # fmt: skip
-        return getattr(transformers, f"{prefix}ForConditionalGeneration")(_eager(config))
+        return getattr(transformers, f"{prefix}ForConditionalGeneration")(eager(config))
 
     return build
 
@@ -87,8 +84,10 @@ def anyres_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Te
             "image_sizes": torch.tensor([[30, 30]] * n)}  # fmt: skip
 
 
-_ANYRES = ("tester (CLIP 16 px tiles, pinpoints [[32, 32]], Llama text hidden 32), patch 4 instead of 2, and the "
-           "config's and checkpoints' vision_feature_layer -2 instead of the tester's -1 (the last CLIP layer unused)")
+_ANYRES = (
+    "tester (CLIP 16 px tiles, pinpoints [[32, 32]], Llama text hidden 32), patch 4 instead of 2, and the "
+    "config's and checkpoints' vision_feature_layer -2 instead of the tester's -1 (the last CLIP layer unused)"
+)
 
 MODELS += [
     TinyVlm(("llava_next",), _llava_next("LlavaNext"), anyres_pixels, IMAGE, source=_ANYRES),
@@ -114,20 +113,38 @@ def _idefics2() -> nn.Module:
                   num_attention_heads=4, intermediate_size=32)  # fmt: skip
     perceiver = dict(hidden_act="silu", resampler_n_latents=2, resampler_depth=2, resampler_n_heads=2,
                      num_key_value_heads=1, resampler_head_dim=12)  # fmt: skip
-    text = dict(model_type="mistral", vocab_size=128, hidden_size=64, intermediate_size=56, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=256,
-                pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=32, tie_word_embeddings=False)
+    text = dict(
+        model_type="mistral",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=32,
+        tie_word_embeddings=False,
+    )
     config = Idefics2Config(vision_config=vision, perceiver_config=perceiver, text_config=text, image_token_id=IMAGE,
                             tie_word_embeddings=False)  # fmt: skip
-    return Idefics2ForConditionalGeneration(_eager(config))
+    return Idefics2ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("idefics2",), _idefics2, tile_pixels, IMAGE, source="tester (image 12, perceiver 2 latents, Mistral "
-            "text hidden 64), patch 4 instead of 12",
-            parity="reordered",
-            note="within 1e-6 relative, not 0.0: an all-image run, which needs no dummy, is already 1.9e-08 off on "
-            "text_model.embed_tokens against the single-process reference (FSDP2 reorders a sum)"),
+    TinyVlm(
+        ("idefics2",),
+        _idefics2,
+        tile_pixels,
+        IMAGE,
+        source="tester (image 12, perceiver 2 latents, Mistral text hidden 64), patch 4 instead of 12",
+        parity="reordered",
+        note="within 1e-6 relative, not 0.0: an all-image run, which needs no dummy, is already 1.9e-08 off on "
+        "text_model.embed_tokens against the single-process reference (FSDP2 reorders a sum)",
+    ),
 ]
 
 
@@ -153,18 +170,32 @@ def _gemma4() -> nn.Module:
                 "full_attention"], sliding_window=16, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
                 num_kv_shared_layers=0, use_bidirectional_attention="vision", pad_token_id=0, eos_token_id=1,
                 bos_token_id=2, tie_word_embeddings=False, max_position_embeddings=512)  # fmt: skip
-    vision = dict(hidden_size=32, num_key_value_heads=1, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=37, head_dim=8, patch_size=5, pooling_kernel_size=2, position_embedding_size=64)
+    vision = dict(
+        hidden_size=32,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        head_dim=8,
+        patch_size=5,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+    )
     config = Gemma4Config(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=7,
                           audio_token_id=8, boi_token_id=5, eoi_token_id=6, mm_tokens_per_image=4,
                           tie_word_embeddings=False)  # fmt: skip
-    return Gemma4ForConditionalGeneration(_eager(config))
+    return Gemma4ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("gemma4",), _gemma4, positioned_pixels, IMAGE,
-            source="tester (vision hidden 32 patch 5 pooling 2; text hidden 32, per-layer input 16), 2 text layers "
-            "without kv sharing or MoE"),
+    TinyVlm(
+        ("gemma4",),
+        _gemma4,
+        positioned_pixels,
+        IMAGE,
+        source="tester (vision hidden 32 patch 5 pooling 2; text hidden 32, per-layer input 16), 2 text layers "
+        "without kv sharing or MoE",
+    ),
 ]
 
 
@@ -193,7 +224,7 @@ def _lfm2_vl() -> nn.Module:
                 full_attn_idxs=[0])  # fmt: skip
     config = Lfm2VlConfig(vision_config=vision, text_config=text, image_token_id=IMAGE, downsample_factor=4,
                           projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
-    return Lfm2VlForConditionalGeneration(_eager(config))
+    return Lfm2VlForConditionalGeneration(eager(config))
 
 
 MODELS += [
@@ -219,7 +250,7 @@ def _lighton_ocr() -> nn.Module:
 
     config = LightOnOcrConfig(vision_config=dict(_PIXTRAL), text_config=_text("qwen3"), spatial_merge_size=2,
                               image_token_id=IMAGE, tie_word_embeddings=False)  # fmt: skip
-    return LightOnOcrForConditionalGeneration(_eager(config))
+    return LightOnOcrForConditionalGeneration(eager(config))
 
 
 def _mistral_large4() -> nn.Module:
@@ -232,17 +263,33 @@ def _mistral_large4() -> nn.Module:
                 kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
                 head_dim=8, index_topk=16, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
                 max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
-    config = MistralLarge4Config(vision_config=dict(_PIXTRAL), text_config=text, spatial_merge_size=2,
-                                 image_token_index=IMAGE, vision_feature_layer=-1, tie_word_embeddings=False)
-    return MistralLarge4ForConditionalGeneration(_eager(config))
+    config = MistralLarge4Config(
+        vision_config=dict(_PIXTRAL),
+        text_config=text,
+        spatial_merge_size=2,
+        image_token_index=IMAGE,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    return MistralLarge4ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("lighton_ocr",), _lighton_ocr, sized_pixels, IMAGE,
-            source="no tester stored: the zoo Mistral3's Pixtral sizes and zoo text sizes (Qwen3)"),
-    TinyVlm(("mistral_large4",), _mistral_large4, sized_pixels, IMAGE,
-            source="no tester stored: the zoo Mistral3's Pixtral sizes; text config defaults shrunk (hidden 32, "
-            "4 experts, MLA ranks 8-16)"),
+    TinyVlm(
+        ("lighton_ocr",),
+        _lighton_ocr,
+        sized_pixels,
+        IMAGE,
+        source="no tester stored: the zoo Mistral3's Pixtral sizes and zoo text sizes (Qwen3)",
+    ),
+    TinyVlm(
+        ("mistral_large4",),
+        _mistral_large4,
+        sized_pixels,
+        IMAGE,
+        source="no tester stored: the zoo Mistral3's Pixtral sizes; text config defaults shrunk (hidden 32, "
+        "4 experts, MLA ranks 8-16)",
+    ),
 ]
 
 
@@ -253,8 +300,17 @@ def _granite4_vision() -> nn.Module:
     from transformers import Granite4VisionConfig, Granite4VisionForConditionalGeneration
 
     vision = dict(_CLIP, hidden_size=64, projection_dim=64)
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=37, num_hidden_layers=5, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, tie_word_embeddings=False)
+    text = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     qformer = dict(num_hidden_layers=1, intermediate_size=37, cross_attention_frequency=1,
                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
                    use_qformer_text_input=False)  # fmt: skip
@@ -264,7 +320,7 @@ def _granite4_vision() -> nn.Module:
         deepstack_layer_map=[[-2, 0]], spatial_vision_layer=-1, spatial_target_layers=[1, 2, 3, 4],
         projector_dropout=0.0, tie_word_embeddings=False,
     )  # fmt: skip
-    return Granite4VisionForConditionalGeneration(_eager(config))
+    return Granite4VisionForConditionalGeneration(eager(config))
 
 
 class _DeepstackVlm(TinyVlm):
@@ -284,15 +340,20 @@ class _DeepstackVlm(TinyVlm):
 
 
 MODELS += [
-    _DeepstackVlm(("granite4_vision",), _granite4_vision, anyres_pixels, IMAGE,
-            source="no tester stored: LLaVA-Next's tester sizes (vision hidden 64: the Q-Former takes hidden // 64 "
-            "heads), Granite text shrunk to 5 layers, not 2: the deepstack projector and the 4 spatial ones each need "
-            "a text layer of their own (the forward keeps one feature set per layer, so a shared layer leaves a "
-            "projector out of the image rank's graph while the dummy's zero reaches it)",
-            note="no row: `anyres_inputs` fits and an aligned image and text run completes (both ranks' gradients "
-            "reach the same parameters), but it is not exact (an all-image run with no dummy is already 2.6e-08 off on "
-            "language_model.embed_tokens), nor within 1e-6 relative after AdamW (1.1e-06 on a vision fc1 weight); "
-            "every rank raises the named FsdpCompatError (families524)"),
+    _DeepstackVlm(
+        ("granite4_vision",),
+        _granite4_vision,
+        anyres_pixels,
+        IMAGE,
+        source="no tester stored: LLaVA-Next's tester sizes (vision hidden 64: the Q-Former takes hidden // 64 "
+        "heads), Granite text shrunk to 5 layers, not 2: the deepstack projector and the 4 spatial ones each need "
+        "a text layer of their own (the forward keeps one feature set per layer, so a shared layer leaves a "
+        "projector out of the image rank's graph while the dummy's zero reaches it)",
+        note="no row: `anyres_inputs` fits and an aligned image and text run completes (both ranks' gradients "
+        "reach the same parameters), but it is not exact (an all-image run with no dummy is already 2.6e-08 off on "
+        "language_model.embed_tokens), nor within 1e-6 relative after AdamW (1.1e-06 on a vision fc1 weight); "
+        "every rank raises the named FsdpCompatError (families524)",
+    ),
 ]
 
 
@@ -314,13 +375,18 @@ def _granite_docling() -> nn.Module:
                 tie_word_embeddings=False)  # fmt: skip
     config = GraniteDoclingConfig(vision_config=vision, text_config=text, image_token_id=IMAGE, pad_token_id=0,
                                   tie_word_embeddings=False)  # fmt: skip
-    return GraniteDoclingForConditionalGeneration(_eager(config))
+    return GraniteDoclingForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("granite_docling",), _granite_docling, masked_tile_pixels, IMAGE,
-            source="no tester stored: config defaults shrunk (vision hidden 32, 16 px tiles of 4 px patches, scale "
-            "factor 2; text hidden 32), no fine route"),
+    TinyVlm(
+        ("granite_docling",),
+        _granite_docling,
+        masked_tile_pixels,
+        IMAGE,
+        source="no tester stored: config defaults shrunk (vision hidden 32, 16 px tiles of 4 px patches, scale "
+        "factor 2; text hidden 32), no fine route",
+    ),
 ]
 
 
@@ -338,13 +404,18 @@ def _aria() -> nn.Module:
                 tie_word_embeddings=False)  # fmt: skip
     config = AriaConfig(vision_config=vision, text_config=text, projector_patch_to_query_dict={16: 4},
                         image_token_index=IMAGE, vision_feature_layer=-1, tie_word_embeddings=False)  # fmt: skip
-    return AriaForConditionalGeneration(_eager(config))
+    return AriaForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("aria",), _aria, fixed_pixels, IMAGE,
-            source="tester (vision hidden 32, MoE text hidden 32 with 4 experts of 4), 4 heads instead of 20 and a "
-            "20 px image of 16 patches -> 4 queries instead of 358 px -> 128"),
+    TinyVlm(
+        ("aria",),
+        _aria,
+        fixed_pixels,
+        IMAGE,
+        source="tester (vision hidden 32, MoE text hidden 32 with 4 experts of 4), 4 heads instead of 20 and a "
+        "20 px image of 16 patches -> 4 queries instead of 358 px -> 128",
+    ),
 ]
 
 
@@ -356,12 +427,17 @@ def _qianfan_ocr() -> nn.Module:
     config = QianfanOCRConfig(text_config=_qwen2_text(model_type="qwen3", hidden_size=128, head_dim=32),
                               vision_config=vision, image_token_id=IMAGE, image_seq_length=16,
                               vision_feature_layer=-1, tie_word_embeddings=False)  # fmt: skip
-    return QianfanOCRForConditionalGeneration(_eager(config))
+    return QianfanOCRForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("qianfan_ocr",), _qianfan_ocr, fixed_pixels, IMAGE,
-            source="no tester stored: InternVL's (its lineage) tiny sizes, Qwen3 text, drop path 0"),
+    TinyVlm(
+        ("qianfan_ocr",),
+        _qianfan_ocr,
+        fixed_pixels,
+        IMAGE,
+        source="no tester stored: InternVL's (its lineage) tiny sizes, Qwen3 text, drop path 0",
+    ),
 ]
 
 
@@ -377,18 +453,34 @@ def packed_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Te
     return {"pixel_values": pixels, "target_sizes": torch.tensor([[side, side]] * n, dtype=torch.int32)}
 
 
-_QWEN3_5_TEXT = dict(model_type="qwen3_5_text", vocab_size=128, hidden_size=32, intermediate_size=37,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                     layer_types=["linear_attention", "full_attention"], pad_token_id=0, tie_word_embeddings=False)
+_QWEN3_5_TEXT = dict(
+    model_type="qwen3_5_text",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    layer_types=["linear_attention", "full_attention"],
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 
 
 def _minicpm(prefix: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
 
-        text = dict(_QWEN3_5_TEXT) if prefix == "MiniCPMV4_7" else _qwen2_text(model_type="qwen3", hidden_size=32,
-                                                                                 head_dim=8)
+        text = (
+            dict(_QWEN3_5_TEXT)
+            if prefix == "MiniCPMV4_7"
+            else _qwen2_text(model_type="qwen3", hidden_size=32, head_dim=8)
+        )
 
         vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                       image_size=32, patch_size=4, insert_layer_id=0)  # fmt: skip
@@ -396,7 +488,7 @@ def _minicpm(prefix: str) -> Callable[[], nn.Module]:
             text_config=text, vision_config=vision,
             insert_layer_id=0, image_size=32, image_token_id=IMAGE, video_token_id=11, tie_word_embeddings=False,
         )  # fmt: skip
-        return getattr(transformers, f"{prefix}ForConditionalGeneration")(_eager(config))
+        return getattr(transformers, f"{prefix}ForConditionalGeneration")(eager(config))
 
     return build
 
@@ -406,8 +498,13 @@ _MINICPM = "no tester stored: config defaults shrunk (vision hidden 32, 4 px pat
 MODELS += [
     TinyVlm(("minicpmv4_6",), _minicpm("MiniCPMV4_6"), packed_pixels, IMAGE, source=_MINICPM),
     TinyVlm(("minicpm_ocr",), _minicpm("MiniCPMOcr"), packed_pixels, IMAGE, source=_MINICPM),
-    TinyVlm(("minicpmv4_7",), _minicpm("MiniCPMV4_7"), packed_pixels, IMAGE,
-            source=_MINICPM.replace("Qwen3 text", "Qwen3.5 text: one linear, one full attention layer")),
+    TinyVlm(
+        ("minicpmv4_7",),
+        _minicpm("MiniCPMV4_7"),
+        packed_pixels,
+        IMAGE,
+        source=_MINICPM.replace("Qwen3 text", "Qwen3.5 text: one linear, one full attention layer"),
+    ),
 ]
 
 
@@ -440,13 +537,18 @@ def _molmo2() -> nn.Module:
     config = Molmo2Config(vision_config=vision, adapter_config=adapter, text_config=text, image_patch_id=IMAGE,
                           image_start_token_id=11, low_res_image_start_token_id=12, image_end_token_id=13,
                           frame_start_token_id=14, frame_end_token_id=15, tie_word_embeddings=False)  # fmt: skip
-    return Molmo2ForConditionalGeneration(_eager(config))
+    return Molmo2ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("molmo2",), _molmo2, pooled_pixels, IMAGE,
-            source="no tester stored: config defaults shrunk (vision hidden 32, 16 patches of 4 px; features from "
-            "the next-to-last vision layer, as the checkpoints read inner layers; text hidden 32)"),
+    TinyVlm(
+        ("molmo2",),
+        _molmo2,
+        pooled_pixels,
+        IMAGE,
+        source="no tester stored: config defaults shrunk (vision hidden 32, 16 patches of 4 px; features from "
+        "the next-to-last vision layer, as the checkpoints read inner layers; text hidden 32)",
+    ),
 ]
 
 
@@ -477,17 +579,23 @@ def _kosmos2_5() -> nn.Module:
     vision = dict(hidden_size=32, patch_embed_hidden_size=48, intermediate_size=37, head_dim=8, num_hidden_layers=2,
                   num_attention_heads=4, max_num_patches=64)  # fmt: skip
     config = Kosmos2_5Config(text_config=text, vision_config=vision, latent_query_num=4, tie_word_embeddings=False)
-    return Kosmos2_5ForConditionalGeneration(_eager(config))
+    return Kosmos2_5ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("kosmos-2.5",), _kosmos2_5, flattened_pixels, IMAGE, extra=_kosmos2_5_extra,
-            source="no tester stored: config defaults shrunk (vision hidden 32, 4 x 4 patches of 4 px, 4 latent "
-            "queries; text embed 32, dropout 0)",
-            note="no row: the text model is called with input_ids and the features as image_embeds, which it "
-            "places itself (image_embeds_position_mask); the alignment's 0.0 * features joins the text model's "
-            "inputs_embeds, which this forward never passes; every rank raises the named FsdpCompatError "
-            "(families524)"),
+    TinyVlm(
+        ("kosmos-2.5",),
+        _kosmos2_5,
+        flattened_pixels,
+        IMAGE,
+        extra=_kosmos2_5_extra,
+        source="no tester stored: config defaults shrunk (vision hidden 32, 4 x 4 patches of 4 px, 4 latent "
+        "queries; text embed 32, dropout 0)",
+        note="no row: the text model is called with input_ids and the features as image_embeds, which it "
+        "places itself (image_embeds_position_mask); the alignment's 0.0 * features joins the text model's "
+        "inputs_embeds, which this forward never passes; every rank raises the named FsdpCompatError "
+        "(families524)",
+    ),
 ]
 
 
@@ -515,13 +623,19 @@ def _deepseek_ocr2() -> nn.Module:
                 mlp_layer_types=["dense", "sparse"], moe_intermediate_size=64, num_experts_per_tok=2)  # fmt: skip
     config = DeepseekOcr2Config(vision_config=dict(sam_config=sam, encoder_config=encoder), text_config=text,
                                 image_token_id=IMAGE, tie_word_embeddings=False)  # fmt: skip
-    return DeepseekOcr2ForConditionalGeneration(_eager(config))
+    return DeepseekOcr2ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("deepseek_ocr2",), _deepseek_ocr2, sam_pixels, IMAGE, source="tester (SAM hidden 32, encoder hidden 64, "
-            "MoE text hidden 128: 145 tokens an image), global views only; SAM initializer_range 0.02, not its "
-            "default 1e-10 (with it one SAM qkv bias gradient was 8.97e-43, a denormal, off the reference)"),
+    TinyVlm(
+        ("deepseek_ocr2",),
+        _deepseek_ocr2,
+        sam_pixels,
+        IMAGE,
+        source="tester (SAM hidden 32, encoder hidden 64, "
+        "MoE text hidden 128: 145 tokens an image), global views only; SAM initializer_range 0.02, not its "
+        "default 1e-10 (with it one SAM qkv bias gradient was 8.97e-43, a denormal, off the reference)",
+    ),
 ]
 
 
@@ -539,12 +653,18 @@ def _unlimited_ocr() -> nn.Module:
                 mlp_layer_types=["dense", "sparse"], moe_intermediate_size=64, num_experts_per_tok=2)  # fmt: skip
     config = UnlimitedOcrConfig(vision_config=dict(sam_config=sam, encoder_config=encoder), text_config=text,
                                 image_token_id=IMAGE, tie_word_embeddings=False)  # fmt: skip
-    return UnlimitedOcrForConditionalGeneration(_eager(config))
+    return UnlimitedOcrForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("unlimited_ocr",), _unlimited_ocr, sam_pixels, IMAGE, source="tester (SAM hidden 32, encoder hidden 64, "
-            "MoE text hidden 128), global views only; SAM initializer_range 0.02 as for DeepSeek-OCR-2"),
+    TinyVlm(
+        ("unlimited_ocr",),
+        _unlimited_ocr,
+        sam_pixels,
+        IMAGE,
+        source="tester (SAM hidden 32, encoder hidden 64, "
+        "MoE text hidden 128), global views only; SAM initializer_range 0.02 as for DeepSeek-OCR-2",
+    ),
 ]
 
 
@@ -562,11 +682,16 @@ def _step3p7() -> nn.Module:
                 mlp_layer_types=["dense", "sparse"], max_position_embeddings=512, pad_token_id=0, sliding_window=16,
                 tie_word_embeddings=False)  # fmt: skip
     config = Step3p7Config(vision_config=vision, text_config=text, image_token_id=IMAGE, tie_word_embeddings=False)
-    return Step3p7ForConditionalGeneration(_eager(config))
+    return Step3p7ForConditionalGeneration(eager(config))
 
 
 MODELS += [
-    TinyVlm(("step3p7",), _step3p7, fixed_pixels, IMAGE,
-            source="tester's sizes (hidden 16, 16 px images of 4 px patches: one token; MoE text of 4 experts) on "
-            "5.24's config classes (the stored tester is for another config layout), 2 vision layers"),
+    TinyVlm(
+        ("step3p7",),
+        _step3p7,
+        fixed_pixels,
+        IMAGE,
+        source="tester's sizes (hidden 16, 16 px images of 4 px patches: one token; MoE text of 4 experts) on "
+        "5.24's config classes (the stored tester is for another config layout), 2 vision layers",
+    ),
 ]
