@@ -731,14 +731,14 @@ class _UnknownFamily(MixedBatches):
             self._raise({r: int(c != 0) for r, c in counts.items()})
 
     def _raise(self, counts: dict[int, int]) -> None:
-        names = ", ".join(family.name for family in FAMILIES)
         raise FsdpCompatError(
             f"fsdp-compat: mixed micro-batches: rank(s) {_ranks(counts, lambda c: c == 0)} have no "
             f"{'/'.join(self.pixel_args)} in this forward of {self.root_class} while rank(s) "
             f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) is sharded by FSDP2, so the ranks' "
             "collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat has no dummy input "
-            f"for this model (it has one for: {names}). Fix: give every micro-batch vision input, or run the "
-            f"tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its output to the "
-            f"input embeddings (as verl's VLM forwards do), or add a row for {self.root_class} to "
-            "fsdp_compat.mixed_batches.FAMILIES."
+            f"for this model (it has one for {len(FAMILIES)} families: fsdp_compat.vlm_families.FAMILIES; "
+            "fsdp-compat's docs/families.md says why the others have none). Fix: give every micro-batch vision "
+            "input, or run the tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its "
+            "output to the input embeddings (as verl's VLM forwards do), or add a row for "
+            f"{self.root_class} to fsdp_compat.vlm_families.FAMILIES."
         )
