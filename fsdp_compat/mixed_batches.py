@@ -142,8 +142,11 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
     installed: list[MixedBatches] = []
     for path, module in model.named_modules():
         family = _family_of(module)
-        needed = (family.tower, family.text, "get_image_features") if family is not None else ()
-        if family is not None and all(_has(module, a) for a in needed):
+        if (
+            family is not None
+            and callable(getattr(module, "get_image_features", None))
+            and all(_has_module(module, a) for a in (family.tower, family.text))
+        ):
             if mode == "off":
                 tower = module.get_submodule(family.tower)
                 installed.append(MixedBatches(model, tower, f"{path}.{family.tower}" if path else family.tower, mode))
@@ -157,11 +160,10 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
     return mixed_batches_of(model)
 
 
-def _has(module: nn.Module, name: str) -> bool:
-    """``module`` has the attribute, or the dotted submodule path, ``name`` (a row's tower may be a submodule of an
-    attribute: Emu3's ``vqmodel.encoder``, the part of the image tokenizer that is called as a module)."""
-    if hasattr(module, name):
-        return True
+def _has_module(module: nn.Module, name: str) -> bool:
+    """``module`` holds a submodule at the attribute or dotted path ``name`` (a row's tower may be a submodule of an
+    attribute: Emu3's ``vqmodel.encoder``). An attribute that is None is no tower: a text-only configuration of a
+    family with a row (transformers 5.24's Gemma4 built without a vision config sets ``vision_tower = None``)."""
     try:
         module.get_submodule(name)
     except AttributeError:

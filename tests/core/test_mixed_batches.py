@@ -177,6 +177,17 @@ def test_family_table_rows_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(first) == 1 and install_mixed_batches(model) == first  # idempotent
 
 
+def test_a_family_built_without_its_tower_gets_no_alignment() -> None:
+    """A text-only configuration of a family with a row (transformers 5.24's Gemma4 without a vision config sets
+    ``vision_tower = None``): nothing to align, and installing must not fail (it raised AttributeError in
+    ``get_submodule`` once, breaking transformers' native FSDP2 for text-only Gemma4)."""
+    from fsdp_compat.testing.zoo import build_model
+
+    model = build_model("glm4v")
+    model.model.visual = None
+    assert install_mixed_batches(model, "sync") == []
+
+
 def test_off_keeps_outside_tower_calls_working_but_reports_no_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``off`` returns no alignment hooks (nothing to count), yet ``generate`` is still wrapped (``synced_gpus``) and
     a later install with another mode replaces the off hooks instead of returning them."""
