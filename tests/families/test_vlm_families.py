@@ -30,9 +30,9 @@ from lab.families import (
     family_status,
     row_of,
     table_markdown,
+    tiny_of,
     zoo_model,
 )
-from lab.vlms import tiny_models
 
 from fsdp_compat.mixed_batches import FAMILIES
 from fsdp_compat.testing.launch import RunResult, current_wording
@@ -138,7 +138,7 @@ RUNNABLE = [f for f in DISCOVERED if zoo_model(f)]
 def test_image_and_text_ranks_crash_then_train_exactly_or_fail_by_name(found: DiscoveredVlm) -> None:
     model = zoo_model(found)
     assert model is not None
-    tiny = next((t for n, t in tiny_models().items() if n in found.model_types), None)
+    tiny = tiny_of(found)
     _assert_mismatch(_run(model, "off"), getattr(tiny, "unaligned", ""))
     run = _run(model, "sync")
     if family_status(found) == "needs images":  # fsdp-compat cannot name it: the text rank's own error again

@@ -125,7 +125,7 @@ def zoo_model(found: DiscoveredVlm) -> str | None:
     return zoo or lab
 
 
-def _tiny(found: DiscoveredVlm) -> Any:
+def tiny_of(found: DiscoveredVlm) -> Any:
     from lab.vlms import tiny_models
 
     return next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
@@ -136,7 +136,8 @@ def family_status(found: DiscoveredVlm) -> str:
     only: ``named error`` (the families test runs it); neither: ``not covered``; a tiny model whose forward cannot
     take a text-only micro-batch and that fsdp-compat cannot name (``ShapeVlm.named`` False): ``needs images``."""
     row, zoo = row_of(found), zoo_model(found)
-    if row is None and zoo is not None and _tiny(found) is not None and not getattr(_tiny(found), "named", True):
+    tiny = tiny_of(found)
+    if row is None and zoo is not None and tiny is not None and not getattr(tiny, "named", True):
         return STATUSES[4]  # its forward cannot take a text-only micro-batch, and fsdp-compat cannot name it
     if row is not None:
         return STATUSES[0] if zoo else STATUSES[1]
@@ -204,10 +205,9 @@ _SHAPE_NOTES = {
 
 def family_note(found: DiscoveredVlm) -> str:
     """The family's note in docs/families.md: why it has the status it has."""
-    from lab.vlms import tiny_models
 
     status, row = family_status(found), row_of(found)
-    tiny = next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
+    tiny = tiny_of(found)
     own = tiny.note if tiny is not None else _ZOO_NOTES.get(found.name, "")
     gap = found.shape_gap()
     if status == STATUSES[0]:

@@ -3,6 +3,7 @@ LLaVA-Next line, Idefics2, Pixtral kin and the others of ``TILED_FAMILIES``."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -609,18 +610,23 @@ def sam_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tenso
     return {"pixel_values": torch.randn(n, int(sam.num_channels), side, side, generator=g)}
 
 
+# DeepSeek-OCR-2 and Unlimited-OCR: the same tester sizes (SAM tower, its encoder, a small MoE text model)
+_OCR_SAM = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, num_channels=3,
+                image_size=16, patch_size=2, hidden_act="gelu", mlp_ratio=4.0, window_size=4, global_attn_indexes=[1],
+                downsample_channels=[32, 64], initializer_range=0.02)  # fmt: skip
+_OCR_ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512,
+                    rms_norm_eps=1.0)  # fmt: skip
+_OCR_TEXT = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, tie_word_embeddings=False,
+                 bos_token_id=2, eos_token_id=3, pad_token_id=4, n_routed_experts=8, n_shared_experts=1,
+                 mlp_layer_types=["dense", "sparse"], moe_intermediate_size=64, num_experts_per_tok=2)  # fmt: skip
+
+
 def _deepseek_ocr2() -> nn.Module:
     from transformers import DeepseekOcr2Config, DeepseekOcr2ForConditionalGeneration
 
-    sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, num_channels=3,
-               image_size=16, patch_size=2, hidden_act="gelu", mlp_ratio=4.0, window_size=4, global_attn_indexes=[1],
-               downsample_channels=[32, 64], initializer_range=0.02)  # fmt: skip
-    encoder = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1.0)  # fmt: skip
-    text = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, tie_word_embeddings=False,
-                bos_token_id=2, eos_token_id=3, pad_token_id=4, n_routed_experts=8, n_shared_experts=1,
-                mlp_layer_types=["dense", "sparse"], moe_intermediate_size=64, num_experts_per_tok=2)  # fmt: skip
+    sam, encoder, text = copy.deepcopy((_OCR_SAM, _OCR_ENCODER, _OCR_TEXT))
     config = DeepseekOcr2Config(vision_config=dict(sam_config=sam, encoder_config=encoder), text_config=text,
                                 image_token_id=IMAGE, tie_word_embeddings=False)  # fmt: skip
     return DeepseekOcr2ForConditionalGeneration(eager(config))
@@ -642,15 +648,7 @@ MODELS += [
 def _unlimited_ocr() -> nn.Module:
     from transformers import UnlimitedOcrConfig, UnlimitedOcrForConditionalGeneration
 
-    sam = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, num_channels=3,
-               image_size=16, patch_size=2, hidden_act="gelu", mlp_ratio=4.0, mlp_dim=128, window_size=4,
-               global_attn_indexes=[1], downsample_channels=[32, 64], initializer_range=0.02)  # fmt: skip
-    encoder = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1.0)  # fmt: skip
-    text = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, hidden_act="silu", max_position_embeddings=512, tie_word_embeddings=False,
-                bos_token_id=2, eos_token_id=3, pad_token_id=4, n_routed_experts=8, n_shared_experts=1,
-                mlp_layer_types=["dense", "sparse"], moe_intermediate_size=64, num_experts_per_tok=2)  # fmt: skip
+    sam, encoder, text = copy.deepcopy((dict(_OCR_SAM, mlp_dim=128), _OCR_ENCODER, _OCR_TEXT))
     config = UnlimitedOcrConfig(vision_config=dict(sam_config=sam, encoder_config=encoder), text_config=text,
                                 image_token_id=IMAGE, tie_word_embeddings=False)  # fmt: skip
     return UnlimitedOcrForConditionalGeneration(eager(config))
