@@ -62,7 +62,7 @@ class TinyVlm:
         """Two rows of text around one image each (``"image"``), or plain text of the same shape (``"text"``)."""
         if variant not in ("image", "text"):
             raise ValueError(f"{self.name}: variant 'image' or 'text', not {variant!r}")
-        n = features_per_image(self)
+        n = self.placeholders_per_image()
         rows = []
         for _ in range(2):
             before = torch.randint(16, self.vocab_size, (5,), generator=g).tolist()
@@ -79,6 +79,11 @@ class TinyVlm:
         if self.extra is not None:
             batch.update(self.extra(batch, variant))
         return batch
+
+    def placeholders_per_image(self) -> int:
+        """Placeholder tokens one image takes in :meth:`batch`: :func:`features_per_image` (subclasses whose
+        images do not become ``pooler_output`` features override this)."""
+        return features_per_image(self)
 
 
 _CONFIGS: dict[str, Any] = {}

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab.vlms import TinyVlm, eager, features_per_image
+from lab.vlms import TinyVlm, eager
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,14 @@ class ShapeVlm(TinyVlm):
     named: bool = True
     rename: tuple[tuple[str, str], ...] = ()
 
-    def batch(self, g: torch.Generator, variant: str = "image") -> dict[str, torch.Tensor]:
+    def placeholders_per_image(self) -> int:
         if self.tokens is None:
-            return super().batch(g, variant)
+            return super().placeholders_per_image()
         import lab.vlms as vlms
 
-        count = self.tokens if isinstance(self.tokens, int) else self.tokens(vlms._config(self))
-        vlms._FEATURES[self.name] = count  # the generic batch's layout, with this family's count
+        return self.tokens if isinstance(self.tokens, int) else self.tokens(vlms._config(self))
+
+    def batch(self, g: torch.Generator, variant: str = "image") -> dict[str, torch.Tensor]:
         batch = super().batch(g, variant)
         for old, new in self.rename:
             if old in batch:
@@ -629,4 +630,4 @@ MODELS: list[TinyVlm] = [
     ),
 ]
 
-__all__ = ["MODELS", "ShapeVlm", "features_per_image"]
+__all__ = ["MODELS", "ShapeVlm"]

@@ -329,15 +329,18 @@ class _DeepstackVlm(TinyVlm):
     layer, per-image features) all of one length: its placeholder count is that length, counted on the built model
     (``lab.vlms.features_per_image`` reads ``pooler_output`` only)."""
 
-    def batch(self, g: torch.Generator, variant: str = "image") -> dict[str, torch.Tensor]:
+    def placeholders_per_image(self) -> int:
         import lab.vlms as vlms
 
-        if self.name not in vlms._FEATURES:
+        if self.name not in _DEEPSTACK_FEATURES:
             model = vlms._built(self)
             with torch.no_grad():
                 out = vlms.inner_model(model).get_image_features(**self.pixels(model.config, torch.Generator(), 1))
-            vlms._FEATURES[self.name] = int(out.deepstack_features[0][1][0].shape[0])
-        return super().batch(g, variant)
+            _DEEPSTACK_FEATURES[self.name] = int(out.deepstack_features[0][1][0].shape[0])
+        return _DEEPSTACK_FEATURES[self.name]
+
+
+_DEEPSTACK_FEATURES: dict[str, int] = {}
 
 
 MODELS += [
