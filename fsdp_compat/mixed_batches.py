@@ -37,7 +37,9 @@ FSDP-managed modules), so ranks that stop at different lengths keep running forw
 
 Families are one table (:data:`FAMILIES`, :mod:`fsdp_compat.vlm_families`): the inner model classes that hold a
 vision tower and a text model, the vision inputs they take, and the dummy builder of their tower kind (a patch grid,
-a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A model whose forward is not transformers'
+a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A row may name an audio encoder too (the Qwen
+omni thinkers): its calls are a second count in the same exchange, and its dummies run where the forward runs its
+audio, before the vision tower. A model whose forward is not transformers'
 own (verl replaces the GLM4V and Qwen-VL forwards with ones that run their own dummy) is left alone. A
 vision-language model outside the table whose vision tower is sharded gets the same exchange and, where ranks
 differ, one :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks and the
@@ -238,18 +240,23 @@ def _host_group(ranks: tuple[int, ...]) -> Any:
     return group
 
 
-def _exchange(ranks: tuple[int, ...], value: int) -> dict[int, int]:
-    """Every rank's ``value`` (global rank -> value): one all-reduce of an int64 vector in host memory on a gloo group
-    over ``ranks``. The counts are host values, so nothing goes to a device: no device-to-host sync on an NCCL mesh,
-    which would stall the CPU that issues FSDP2's prefetches ahead of the GPU."""
+def _exchange(ranks: tuple[int, ...], values: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """Every rank's ``values`` (global rank -> values; one value per aligned tower): one all-reduce of an int64 table
+    in host memory on a gloo group over ``ranks``. The counts are host values, so nothing goes to a device: no
+    device-to-host sync on an NCCL mesh, which would stall the CPU that issues FSDP2's prefetches ahead of the GPU."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or len(ranks) < 2:
-        return {0: value}
-    vector = torch.zeros(len(ranks), dtype=torch.int64, device="cpu")
-    vector[ranks.index(dist.get_rank())] = value
-    dist.all_reduce(vector, group=_host_group(ranks))
-    return dict(zip(ranks, vector.tolist(), strict=True))
+        return {0: values}
+    table = torch.zeros(len(ranks), len(values), dtype=torch.int64, device="cpu")
+    table[ranks.index(dist.get_rank())] = torch.tensor(values, dtype=torch.int64, device="cpu")
+    dist.all_reduce(table, group=_host_group(ranks))
+    return {rank: tuple(row) for rank, row in zip(ranks, table.tolist(), strict=True)}
+
+
+def _column(counts: dict[int, tuple[int, ...]], index: int = 0) -> dict[int, int]:
+    """One tower's counts (column ``index``: 0 the vision tower, 1 the audio tower) of an exchange."""
+    return {rank: row[index] for rank, row in counts.items()}
 
 
 _OUTSIDE = -1  # exchanged by a rank that is calling the tower outside the model's forward
@@ -352,8 +359,9 @@ _CACHE_ARGS = ("past_key_values", "cache")  # transformers < 5.2x / >= 5.2x
 
 class MixedBatches:
     """The hooks on one model. Counters (this rank, for tests and logs): ``dummy_calls`` (dummy tower calls),
-    ``exchanges`` (all-reduces of counts), ``outside_calls`` (tower calls outside the model's forward, unsharded
-    here), ``decode_steps`` (forwards of ``generate`` that decoded from a cache without an exchange).
+    ``audio_dummy_calls`` (dummy audio-tower calls), ``exchanges`` (all-reduces of counts), ``outside_calls`` (tower
+    calls outside the model's forward, unsharded here), ``decode_steps`` (forwards of ``generate`` that decoded from
+    a cache without an exchange).
 
     This base class alone (mode ``off``) makes tower calls outside the model's forward work and wraps ``generate``;
     the subclasses add the alignment."""
@@ -365,6 +373,7 @@ class MixedBatches:
         self.path = path
         self.mode = mode
         self.dummy_calls = 0
+        self.audio_dummy_calls = 0
         self.exchanges = 0
         self.outside_calls = 0
         self.decode_steps = 0
@@ -403,9 +412,13 @@ class MixedBatches:
             self._ranks = _mesh_ranks(_mesh_of(tower, root))
         return self._active
 
-    def _exchange(self, value: int) -> dict[int, int]:
+    _columns = 1  # values each rank exchanges: one per aligned tower
+
+    def _exchange(self, *values: int) -> dict[int, tuple[int, ...]]:
+        """Every rank's values, ``values`` padded with zeros to one per aligned tower (a tower call outside the
+        forward announces only the vision column)."""
         self.exchanges += 1
-        return _exchange(self._ranks, value)
+        return _exchange(self._ranks, values + (0,) * (self._columns - len(values)))
 
     # ------------------------------------------------------------------------------------------- forward window
 
@@ -525,7 +538,9 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 class _KnownFamily(MixedBatches):
-    """A table family: count the tower calls, exchange counts, top up with dummies before the text model."""
+    """A table family: count the tower calls, exchange counts, top up with dummies before the text model. A row
+    with an :class:`~fsdp_compat.vlm_families.AudioTower` gets the same for its audio encoder, in the same exchange
+    (a second column): its dummies run where the forward runs its audio, before the first vision tower call."""
 
     def __init__(self, root: nn.Module, inner: nn.Module, path: str, family: VisionFamily, mode: str) -> None:
         tower = inner.get_submodule(family.tower)
@@ -537,6 +552,7 @@ class _KnownFamily(MixedBatches):
         self._target: int | None = None  # tower calls every rank makes in this forward; None = not counting
         self._exchanged = False  # the root's pre-forward exchanged this forward's counts (the inner forward's own)
         self._zero: torch.Tensor | None = None  # dummies' zero term, joining the text model's inputs_embeds
+        self._device = torch.device("cpu")  # where this forward computes (its first tensor input)
         self._handles += [
             inner.register_forward_pre_hook(_marked(self._pre_forward), with_kwargs=True),
             inner.register_forward_hook(_marked(self._post_forward), always_call=True),
@@ -544,9 +560,24 @@ class _KnownFamily(MixedBatches):
                 _marked(self._before_text_model), with_kwargs=True
             ),
         ]
+        audio = family.audio
+        self._audio = audio if audio is not None and _has_module(inner, audio.tower) else None
+        self._audio_calls = 0
+        self._audio_target: int | None = None  # as _target, for the audio tower
+        if self._audio is not None:
+            self._columns = 2
+            audio_tower = inner.get_submodule(self._audio.tower)
+            self._handles.append(audio_tower.register_forward_pre_hook(_marked(self._on_audio_call)))
 
     def _own_calls(self, inputs: dict[str, Any]) -> int:
         return sum(inputs.get(pixels) is not None for pixels in self.family.inputs)
+
+    def _own_audio(self, inputs: dict[str, Any]) -> int:
+        """Audio-tower calls this rank's forward makes: one where it has audio input (all clips in one call)."""
+        return int(self._audio is not None and any(inputs.get(name) is not None for name in self._audio.inputs))
+
+    def _inputs_shown(self) -> tuple[str, ...]:
+        return self.family.inputs + (self._audio.inputs if self._audio is not None else ())
 
     def _aligned(self) -> bool:
         inner = self._inner()
@@ -554,66 +585,103 @@ class _KnownFamily(MixedBatches):
 
     def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._target, self._exchanged, self._zero, self._calls = None, False, None, 0
+        self._audio_target, self._audio_calls = None, 0
         if not self._aligned():
             return
         inputs = _call_inputs(module, args, kwargs)
-        visible = _shows(module, self.family.inputs)
-        own = self._own_calls(inputs)
+        self._device = _input_device(inputs, module)
+        visible = _shows(module, self._inputs_shown())
+        own, own_audio = self._own_calls(inputs), self._own_audio(inputs)
         if self._decode_step(inputs):
-            if own:
+            if own or own_audio:
                 raise FsdpCompatError(
-                    f"fsdp-compat: mixed micro-batches: {self.root_class}.generate passed vision input to a forward "
-                    "that decodes from a cache; the other ranks make no exchange there, so the tower's collectives "
-                    "would fall out of step. Pass vision inputs only to the first forward of a cache (transformers' "
-                    "prepare_inputs_for_generation does), or set FSDP_COMPAT_MIXED_BATCHES=always"
+                    f"fsdp-compat: mixed micro-batches: {self.root_class}.generate passed vision or audio input to a "
+                    "forward that decodes from a cache; the other ranks make no exchange there, so the tower's "
+                    "collectives would fall out of step. Pass such inputs only to the first forward of a cache "
+                    "(transformers' prepare_inputs_for_generation does), or set FSDP_COMPAT_MIXED_BATCHES=always"
                 )
             self.decode_steps += 1
             self._target, self._exchanged = 0, True
+            self._audio_target = 0 if self._audio is not None else None
             return
         if self.mode == "always":
             if visible:
-                self._target, self._exchanged = max(own, 1), True
+                self._always(own, own_audio)
+                self._exchanged = True
             return
         while True:  # until no rank is calling the tower outside a forward
-            counts = self._exchange(own)
-            if min(counts.values()) != _OUTSIDE:
+            counts = self._exchange(own, own_audio)
+            if min(_column(counts).values()) != _OUTSIDE:
                 break
-            self._outside_dummy(module, _input_device(inputs, module))
+            self._outside_dummy(module, self._device)
         if visible:  # the root's forward shows the vision inputs: these are the inner forward's counts too
-            self._set_target(own, counts)
+            self._set_target(own, own_audio, counts)
             self._exchanged = True
 
-    def _set_target(self, own: int, counts: dict[int, int]) -> None:
-        self._target = max(counts.values())
+    def _always(self, own: int, own_audio: int) -> None:
+        """Mode ``always``: at least one call of every aligned tower, no exchange."""
+        self._target = max(own, 1)
+        self._audio_target = max(own_audio, 1) if self._audio is not None else None
+
+    def _set_target(self, own: int, own_audio: int, counts: dict[int, tuple[int, ...]]) -> None:
+        vision = _column(counts)
+        self._target = max(vision.values())
         if own < self._target:
             logger.debug(
                 "fsdp-compat: mixed micro-batches: %s: %d tower call(s) here, %d on rank(s) %s: dummy input",
-                self.path or self.root_class, own, self._target, _ranks(counts, lambda c: c == self._target),
+                self.path or self.root_class, own, self._target, _ranks(vision, lambda c: c == self._target),
             )  # fmt: skip
+        if self._audio is not None:
+            self._audio_target = max(_column(counts, 1).values())
+            if own_audio < self._audio_target:
+                logger.debug("fsdp-compat: mixed micro-batches: %s: no audio here: dummy audio", self.root_class)
 
     def _end(self) -> None:
-        self._target, self._exchanged, self._zero = None, False, None
+        self._target, self._exchanged, self._zero, self._audio_target = None, False, None, None
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._calls = 0
+        self._calls, self._audio_calls = 0, 0
         if self._exchanged:  # decided at the root's pre-forward
             self._exchanged = False
             return
-        self._target = None
+        self._target, self._audio_target = None, None
         if not self._aligned():
             return
-        own = self._own_calls(_bind(module, args, kwargs))
+        inputs = _bind(module, args, kwargs)
+        self._device = _input_device(inputs, module)
+        own, own_audio = self._own_calls(inputs), self._own_audio(inputs)
         if self.mode == "always":
-            self._target = max(own, 1)
+            self._always(own, own_audio)
         else:
-            self._set_target(own, self._exchange(own))
+            self._set_target(own, own_audio, self._exchange(own, own_audio))
 
     def _post_forward(self, *_: Any) -> None:
-        self._target = None
+        self._target, self._audio_target = None, None
 
     def _count_tower_call(self) -> None:
         if self._target is not None:
+            self._audio_top_up()  # the forward runs its audio before its first vision tower call
             self._calls += 1
+
+    def _on_audio_call(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._depth and self._audio_target is not None:
+            self._audio_calls += 1
+
+    def _audio_top_up(self) -> None:
+        """The audio dummies this rank still owes (where the forward runs its audio: before the first vision tower
+        call, or before the text model). Their zero terms join the text model's ``inputs_embeds`` with the rest."""
+        if self._audio is None or self._audio_target is None or self._audio_calls >= self._audio_target:
+            return
+        inner = self._inner()
+        assert inner is not None
+        missing, self._audio_target = self._audio_target - self._audio_calls, None  # dummies are not counted
+        dtype = _dtype_of(inner.get_submodule(self._audio.tower))
+        for _ in range(missing):
+            out = inner.get_audio_features(**self._audio.dummy(inner.config, self._device, dtype))
+            term = _zero_of(_field(out, self._audio.features))
+            if term is not None and torch.is_grad_enabled():
+                self._zero = term if self._zero is None else self._zero + term
+            self.audio_dummy_calls += 1
 
     def _announce_outside_call(self) -> None:
         if self.mode != "sync":
@@ -645,11 +713,10 @@ class _KnownFamily(MixedBatches):
 
     def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
-        tower = inner.get_submodule(self.family.tower)
-        dtype = next((p.dtype for p in tower.parameters() if p.is_floating_point()), torch.float32)
-        return self.family.dummy(inner.config, device, dtype)
+        return self.family.dummy(inner.config, device, _dtype_of(inner.get_submodule(self.family.tower)))
 
     def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._audio_top_up()  # no vision tower call this forward: the audio dummies run first, as the audio would
         zero, self._zero = self._zero, None
         if self._target is not None and self._calls < self._target:
             inner = self._inner()
@@ -670,6 +737,19 @@ class _KnownFamily(MixedBatches):
             return args, {**kwargs, name: embeds}
         index = list(inspect.signature(module.forward).parameters).index(name)
         return (*args[:index], embeds, *args[index + 1 :]), kwargs
+
+
+def _dtype_of(tower: nn.Module) -> torch.dtype:
+    """The dtype of the tower's first floating parameter (fp32 if none): the dtype of its dummy input."""
+    return next((p.dtype for p in tower.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _field(output: Any, name: str) -> Any:
+    """``output.name`` (or ``output[name]``), else the whole output."""
+    value = getattr(output, name, None)
+    if value is None and isinstance(output, dict):
+        value = output.get(name)
+    return output if value is None else value
 
 
 def _inputs_embeds(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, torch.Tensor]:
@@ -723,12 +803,12 @@ class _UnknownFamily(MixedBatches):
         if self._decode_step(inputs) and not own:
             self.decode_steps += 1
             return
-        counts = self._exchange(own)
+        counts = _column(self._exchange(own))
         if len(set(counts.values())) > 1:
             self._raise(counts)
 
     def _announce_outside_call(self) -> None:
-        counts = self._exchange(_OUTSIDE)
+        counts = _column(self._exchange(_OUTSIDE))
         if len(set(counts.values())) > 1:
             self._raise({r: int(c != 0) for r, c in counts.items()})
 

@@ -18,6 +18,8 @@ import torch
 
 __all__ = [
     "FAMILIES",
+    "QWEN_OMNI_AUDIO",
+    "AudioTower",
     "DummyInputs",
     "VisionFamily",
     "anyres_inputs",
@@ -31,6 +33,7 @@ __all__ = [
     "grid_patches_inputs",
     "hybrid_inputs",
     "masked_tile_inputs",
+    "mel_inputs",
     "merge_size_inputs",
     "naflex_inputs",
     "packed_inputs",
@@ -104,6 +107,34 @@ def tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[s
     return {"pixel_values": torch.ones(1, 1, _channels(vision), side, side, dtype=dtype, device=device)}
 
 
+def mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One clip of 4 zero mel frames and its ``feature_attention_mask`` (the Qwen omni thinkers' Whisper-style
+    encoders: two stride-2 steps leave it one feature in both)."""
+    mels = int(config.audio_config.num_mel_bins)
+    return {
+        "input_features": torch.zeros(1, mels, 4, dtype=dtype, device=device),
+        "feature_attention_mask": torch.ones(1, 4, dtype=torch.long, device=device),
+    }
+
+
+@dataclass(frozen=True)
+class AudioTower:
+    """A family's audio encoder, aligned like its vision tower: a rank whose micro-batch has no audio runs
+    ``get_audio_features`` on ``dummy`` where the family's forward runs its audio, which is before the vision tower
+    (the Qwen omni thinkers encode audio, then images, then videos): so before this forward's first vision tower
+    call, or before the text model where there is none. ``features`` is the output field the forward reads.
+    """
+
+    tower: str = "audio_tower"
+    inputs: tuple[str, ...] = ("input_features",)
+    dummy: DummyInputs = mel_inputs
+    features: str = "last_hidden_state"
+
+
+#: The Qwen omni thinkers' audio encoder (Qwen2.5-Omni, Qwen3-Omni-MoE).
+QWEN_OMNI_AUDIO = AudioTower()
+
+
 @dataclass(frozen=True)
 class VisionFamily:
     """One row: the inner model classes of a VLM family, its vision inputs, and how to feed its tower a dummy.
@@ -114,7 +145,8 @@ class VisionFamily:
     model's config (one builder per tower kind, shared by the families of that kind). The dummy's features join the
     graph at the text model's ``inputs_embeds``, where the real features join it too (the output's ``pooler_output``
     and ``deepstack_features`` where it has them: Emu3's ``pooler_output`` is the text embeddings of its codes, its
-    ``last_hidden_state`` the VQ encoder's, cut from the loss by the quantizer's argmin).
+    ``last_hidden_state`` the VQ encoder's, cut from the loss by the quantizer's argmin). ``audio``: the family's
+    audio encoder where it has one that fsdp-compat aligns too (:class:`AudioTower`).
     """
 
     name: str
@@ -123,6 +155,7 @@ class VisionFamily:
     dummy: DummyInputs = grid_inputs
     tower: str = "visual"
     text: str = "language_model"
+    audio: AudioTower | None = None
 
 
 def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
@@ -158,8 +191,8 @@ GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("qwen3.5-moe", ("Qwen3_5MoeModel",)),
     VisionFamily("glm-ocr", ("GlmOcrModel",)),
     VisionFamily("glm5-next", ("Glm5NextModel",)),
-    VisionFamily("qwen2.5-omni-thinker", ("Qwen2_5OmniThinkerModel",)),
-    VisionFamily("qwen3-omni-moe-thinker", ("Qwen3OmniMoeThinkerModel",)),
+    VisionFamily("qwen2.5-omni-thinker", ("Qwen2_5OmniThinkerModel",), audio=QWEN_OMNI_AUDIO),
+    VisionFamily("qwen3-omni-moe-thinker", ("Qwen3OmniMoeThinkerModel",), audio=QWEN_OMNI_AUDIO),
     VisionFamily("paddleocr-vl", ("PaddleOCRVLModel",), ("pixel_values",), grid_patches_inputs),
     VisionFamily("cosmos3-omni", ("Cosmos3OmniModel",)),
     VisionFamily("hyperclovax-vision-v2", ("HyperCLOVAXVisionV2Model",), tower="vision_model"),

@@ -325,8 +325,9 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
 
 
 def runtime_counters(model: Any) -> dict[str, Any]:
-    """What fsdp-compat's runtime did on this rank: the mixed-batch alignment's dummy vision-tower calls and count
-    exchanges (``mixed_batches``), and the run-time guard's unshards (``guard_unshards``, None without a guard)."""
+    """What fsdp-compat's runtime did on this rank: the mixed-batch alignment's dummy vision- and audio-tower calls
+    and count exchanges (``mixed_batches``), and the run-time guard's unshards (``guard_unshards``, None without a
+    guard)."""
     from fsdp_compat.mixed_batches import mixed_batches_of
 
     installed = mixed_batches_of(model)
@@ -335,6 +336,7 @@ def runtime_counters(model: Any) -> dict[str, Any]:
         "mixed_batches": {
             "installed": len(installed),
             "dummy_calls": sum(m.dummy_calls for m in installed),
+            "audio_dummy_calls": sum(m.audio_dummy_calls for m in installed),
             "exchanges": sum(m.exchanges for m in installed),
         },
         "guard_unshards": guard.unshards if guard is not None else None,

@@ -266,12 +266,12 @@ def spy_on_exchanges(record: dict[str, Any]) -> Iterator[None]:
         record.setdefault("groups", []).append(group.group_name if group is not None else "default")
         return real_all_reduce(tensor, *args, group=group, **kwargs)
 
-    def exchange(ranks: tuple[int, ...], value: int) -> dict[int, int]:
+    def exchange(ranks: tuple[int, ...], values: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
         spy = DeviceSpy()
         dist.all_reduce = all_reduce
         try:
             with torch.device("meta"), spy:
-                counts = real_exchange(ranks, value)
+                counts = real_exchange(ranks, values)
         finally:
             dist.all_reduce = real_all_reduce
         record["devices"] = sorted(set(record["devices"]) | spy.devices)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+import lab.vlms as vlms
 from fsdp_compat.testing.zoo import _GLM_TOKENS, _GLM_VISION, glm4v_config
 from lab.vlms import TinyVlm, eager, grid_pixels
 
@@ -119,9 +121,53 @@ def _glm5_next() -> nn.Module:
 
 
 _OMNI_NOTE = (
-    "images and videos only: the audio tower (input_features) gets no dummy, so ranks must agree on having audio "
-    "(not run here)"
+    "the audio tower (input_features) is aligned too: ranks that differ in audio, in images or in both train at exact "
+    "parity (test_audio_towers.py)"
 )
+
+# Mel frames of one random audio clip in an omni batch: both thinkers' encoders give it more than one feature (4 and 2)
+_CLIP = 16
+_AUDIO_FEATURES: dict[str, int] = {}
+
+
+@dataclass(frozen=True)
+class OmniVlm(TinyVlm):
+    """A Qwen omni thinker, whose micro-batches may carry audio too: variants ``"audio"`` (text rows, one clip each)
+    and ``"image+audio"`` beside ``"image"`` and ``"text"``. Each row starts with its clip's audio placeholders (the
+    count of features one clip gives, counted on the built model)."""
+
+    audio_token_id: int = 1
+
+    def batch(self, g: torch.Generator, variant: str = "image") -> dict[str, torch.Tensor]:
+        media = variant.split("+")
+        if variant not in ("image", "text", "audio", "image+audio"):
+            raise ValueError(f"{self.name}: variant 'image', 'text', 'audio' or 'image+audio', not {variant!r}")
+        batch = super().batch(g, "image" if "image" in media else "text")
+        if "audio" not in media:
+            return batch
+        mels = int(vlms._config(self).audio_config.num_mel_bins)
+        rows = batch["input_ids"].shape[0]
+        placeholders = torch.full((rows, self.audio_features()), self.audio_token_id)
+        input_ids = torch.cat([placeholders, batch["input_ids"]], dim=1)
+        return {
+            **batch,
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "labels": torch.cat([torch.full_like(placeholders, -100), batch["labels"]], dim=1),
+            "input_features": torch.randn(rows, mels, _CLIP, generator=g),
+            "feature_attention_mask": torch.ones(rows, _CLIP, dtype=torch.long),
+        }
+
+    def audio_features(self) -> int:
+        """Features (placeholder tokens) one clip of ``_CLIP`` frames becomes, counted on the built model."""
+        if self.name not in _AUDIO_FEATURES:
+            model = vlms._built(self)
+            mels = int(model.config.audio_config.num_mel_bins)
+            clip = torch.zeros(1, mels, _CLIP), torch.ones(1, _CLIP, dtype=torch.long)
+            with torch.no_grad():
+                out = vlms.inner_model(model).get_audio_features(*clip, return_dict=True)
+            _AUDIO_FEATURES[self.name] = int(out.last_hidden_state.shape[0])
+        return _AUDIO_FEATURES[self.name]
 
 
 def _qwen2_5_omni_thinker() -> nn.Module:
@@ -317,7 +363,7 @@ MODELS = [
         image_token_id=7,
         source="tests/models/glm5_next tester (vision projection_intermediate_size 10240 -> 16)",
     ),
-    TinyVlm(
+    OmniVlm(
         ("qwen2_5_omni_thinker",),
         _qwen2_5_omni_thinker,
         grid_pixels,
@@ -325,7 +371,7 @@ MODELS = [
         note=_OMNI_NOTE,
         source="tests/models/qwen2_5_omni thinker tester (2 text layers, not 4)",
     ),
-    TinyVlm(
+    OmniVlm(
         ("qwen3_omni_moe_thinker",),
         _qwen3_omni_moe_thinker,
         grid_pixels,

@@ -1,0 +1,71 @@
+"""The omni families' audio towers under mixed micro-batches (transformers 5.24's Qwen2.5-Omni and Qwen3-Omni-MoE
+thinkers, tiny, fp32, 2 gloo ranks, fsdp-compat's plan: the audio encoder's layers are FSDP2 groups of their own).
+
+A rank with audio runs the audio encoder's all-gathers before the vision tower's; a rank without audio skips them,
+so the ranks fall out of step as they do on image|text ranks. Shown first, unaligned; then, aligned, every pair of
+ranks that differ in audio, in images or in both trains at exact parity (0.0, equal losses): a dummy clip runs on the
+rank without audio, before its vision tower call (the forward's own order), once per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _support import BREADTH, DEVICE
+from lab.vlms import tiny_models
+from lab.vlms.grid import OmniVlm
+
+from fsdp_compat.testing.launch import RunResult, current_wording
+from fsdp_compat.testing.parity import run_training
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+AUTO = "fsdp_compat.testing.wraps:core_auto"
+MISMATCH = "Received data size doesn't match expected size"
+STEPS = 2
+OMNI = sorted({t.name for t in tiny_models().values() if isinstance(t, OmniVlm)})
+# Ranks that differ in audio (and in images): audio on one rank only, each rank one medium, and both media on one
+# rank against none on the other (the audio dummy then runs before the vision dummy, as the forward orders them).
+PAIRS = [("audio", "image"), ("image+audio", "text"), ("audio", "text"), ("image+audio", "image")]
+
+
+def _params() -> list[object]:
+    """Every omni family; all but the first are breadth (the first runs in the default list's hf524)."""
+    return [pytest.param(n, marks=BREADTH) if i else n for i, n in enumerate(OMNI)]
+
+
+def _run(name: str, variants: tuple[str, str], mode: str) -> RunResult:
+    return run_training(f"lab.vlms:{name}", AUTO, world_size=2, steps=STEPS, device=DEVICE, timeout_s=90.0,
+                        variants=list(variants), env={"FSDP_COMPAT_MIXED_BATCHES": mode})  # fmt: skip
+
+
+def test_the_omni_families_are_the_ones_with_an_audio_row() -> None:
+    """The tiny models with audio batches are the families whose row aligns an audio tower."""
+    from fsdp_compat.vlm_families import FAMILIES
+
+    assert OMNI == ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
+    assert sorted(f.name for f in FAMILIES if f.audio is not None) == ["qwen2.5-omni-thinker", "qwen3-omni-moe-thinker"]
+
+
+@pytest.mark.parametrize("name", _params())
+def test_audio_on_one_rank_falls_out_of_step_unaligned(name: str) -> None:
+    run = _run(name, ("audio", "image"), "off")
+    assert not run.ok
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
+    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+
+
+@pytest.mark.parametrize("variants", PAIRS, ids="|".join)
+@pytest.mark.parametrize("name", _params())
+def test_ranks_that_differ_in_audio_train_exactly(name: str, variants: tuple[str, str]) -> None:
+    run = _run(name, variants, "sync")
+    run.raise_for_error()
+    assert run.max_abs_grad_diff == 0.0, run.ranks[0].extra.get("worst_grad_param")
+    assert run.max_abs_param_diff == 0.0, run.ranks[0].extra.get("worst_param")
+    media = [set(v.split("+")) for v in variants]
+    for r, own in zip(run.ranks, media, strict=True):
+        counters = r.extra["mixed_batches"]
+        others = set().union(*media)
+        # one dummy per step for each medium another rank has and this one lacks
+        assert counters["audio_dummy_calls"] == (STEPS if "audio" in others - own else 0), (r.rank, counters)
+        assert counters["dummy_calls"] == (STEPS if "image" in others - own else 0), (r.rank, counters)
+        assert r.losses == r.extra["reference_losses"]
