@@ -415,10 +415,11 @@ class MixedBatches:
     _columns = 1  # values each rank exchanges: one per aligned tower
 
     def _exchange(self, *values: int) -> dict[int, tuple[int, ...]]:
-        """Every rank's values, ``values`` padded with zeros to one per aligned tower (a tower call outside the
-        forward announces only the vision column)."""
+        """Every rank's values, one per aligned tower: ``values`` cut or padded with zeros to that length (a model
+        without an aligned audio tower exchanges only the vision column; a tower call outside the forward announces
+        only the vision column). Every exchange of one model has the same length, wherever it is made."""
         self.exchanges += 1
-        return _exchange(self._ranks, values + (0,) * (self._columns - len(values)))
+        return _exchange(self._ranks, (values + (0,) * self._columns)[: self._columns])
 
     # ------------------------------------------------------------------------------------------- forward window
 
