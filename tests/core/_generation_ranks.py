@@ -64,7 +64,7 @@ def counters(model: nn.Module) -> dict[str, int]:
     from fsdp_compat.mixed_batches import mixed_batches_of
 
     installed = mixed_batches_of(model)
-    names = ("exchanges", "dummy_calls", "outside_calls", "decode_steps")
+    names = ("exchanges", "dummy_calls", "audio_dummy_calls", "outside_calls", "decode_steps")
     return {n: sum(getattr(m, n) for m in installed) for n in names}
 
 

@@ -4,17 +4,22 @@ thinkers, tiny, fp32, 2 gloo ranks, fsdp-compat's plan: the audio encoder's laye
 A rank with audio runs the audio encoder's all-gathers before the vision tower's; a rank without audio skips them,
 so the ranks fall out of step as they do on image|text ranks. Shown first, unaligned; then, aligned, every pair of
 ranks that differ in audio, in images or in both trains at exact parity (0.0, equal losses): a dummy clip runs on the
-rank without audio, before its vision tower call (the forward's own order), once per step.
+rank without audio, before its vision tower call (the forward's own order), once per step. The whole step too:
+``generate``, a log-prob pass and a training step with audio and images on one rank and neither on the other equal
+one process (the rank routines of tests/core/test_generation.py).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 from _support import BREADTH, DEVICE
 from lab.vlms import tiny_models
 from lab.vlms.grid import OmniVlm
 
-from fsdp_compat.testing.launch import RunResult, current_wording
+from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 from fsdp_compat.testing.parity import run_training
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -22,6 +27,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 AUTO = "fsdp_compat.testing.wraps:core_auto"
 MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
+CORE = Path(__file__).resolve().parents[1] / "core"  # the generation rank routines
 OMNI = sorted({t.name for t in tiny_models().values() if isinstance(t, OmniVlm)})
 # Ranks that differ in audio (and in images): audio on one rank only, each rank one medium, and both media on one
 # rank against none on the other (the audio dummy then runs before the vision dummy, as the forward orders them).
@@ -69,3 +75,36 @@ def test_ranks_that_differ_in_audio_train_exactly(name: str, variants: tuple[str
         assert counters["audio_dummy_calls"] == (STEPS if "audio" in others - own else 0), (r.rank, counters)
         assert counters["dummy_calls"] == (STEPS if "image" in others - own else 0), (r.rank, counters)
         assert r.losses == r.extra["reference_losses"]
+
+
+def _whole_step(name: str, variants: tuple[str, str], cases: list[str], mode: str) -> RunResult:
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return run_ranks(
+        "_generation_ranks:generation_ranks",
+        {"model": f"lab.vlms:{name}", "plan": "auto", "variants": list(variants), "cases": cases, "device": DEVICE},
+        world_size=2,
+        timeout_s=240.0,
+        env={"PYTHONPATH": os.pathsep.join([str(CORE), *inherited]), "FSDP_COMPAT_MIXED_BATCHES": mode},
+    )
+
+
+@pytest.mark.parametrize("name", _params())
+def test_generation_log_probs_and_a_step_with_audio_on_one_rank_equal_one_process(name: str) -> None:
+    """Rank 0 has images and audio, rank 1 neither. Unaligned, ``generate`` falls out of step; aligned, its tokens
+    and every step's scores equal the unsharded model's (``torch.equal``), so do the log-probs (0.0, under no_grad
+    and in eval), and a training step after them equals one process (0.0). Rank 1 runs one dummy clip per forward
+    that is not a decode step: generate's prefill, the two log-prob forwards, the training forward."""
+    unaligned = _whole_step(name, ("image+audio", "text"), ["generate"], "off")
+    assert not unaligned.ok
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in unaligned.ranks)
+    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+    run = _whole_step(name, ("image+audio", "text"), ["generate", "logprobs", "train"], "sync")
+    run.raise_for_error()
+    for r in run.ranks:
+        generated, logprobs, train = r.extra["0:generate"], r.extra["1:logprobs"], r.extra["2:train"]
+        assert generated["tokens"] == generated["ref_tokens"] and generated["scores_equal"], generated
+        assert generated["counters"]["decode_steps"] == generated["new_tokens"] - 1 > 0
+        assert logprobs["no_grad"] == 0.0 and logprobs["eval"] == 0.0, logprobs
+        assert train["grad_diff"] == 0.0 and train["param_diff"] == 0.0, train
+        dummies = [c["counters"]["audio_dummy_calls"] for c in (generated, logprobs, train)]
+        assert dummies == ([0, 0, 0] if r.rank == 0 else [1, 2, 1]), (r.rank, dummies)
