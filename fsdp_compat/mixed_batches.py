@@ -602,8 +602,7 @@ class _KnownFamily(MixedBatches):
                     "(transformers' prepare_inputs_for_generation does), or set FSDP_COMPAT_MIXED_BATCHES=always"
                 )
             self.decode_steps += 1
-            self._target, self._exchanged = 0, True
-            self._audio_target = 0 if self._audio is not None else None
+            self._target, self._audio_target, self._exchanged = 0, 0, True
             return
         if self.mode == "always":
             if visible:
@@ -621,8 +620,7 @@ class _KnownFamily(MixedBatches):
 
     def _always(self, own: int, own_audio: int) -> None:
         """Mode ``always``: at least one call of every aligned tower, no exchange."""
-        self._target = max(own, 1)
-        self._audio_target = max(own_audio, 1) if self._audio is not None else None
+        self._target, self._audio_target = max(own, 1), max(own_audio, 1)
 
     def _set_target(self, own: int, own_audio: int, counts: dict[int, tuple[int, ...]]) -> None:
         vision = _column(counts)
@@ -679,10 +677,14 @@ class _KnownFamily(MixedBatches):
         dtype = _dtype_of(inner.get_submodule(self._audio.tower))
         for _ in range(missing):
             out = inner.get_audio_features(**self._audio.dummy(inner.config, self._device, dtype))
-            term = _zero_of(_field(out, self._audio.features))
-            if term is not None and torch.is_grad_enabled():
-                self._zero = term if self._zero is None else self._zero + term
+            self._join(_zero_of(_field(out, self._audio.features)))
             self.audio_dummy_calls += 1
+
+    def _join(self, zero: torch.Tensor | None) -> None:
+        """Keep a dummy's zero term for the text model's ``inputs_embeds`` (under grad: backward must reach the
+        tower's parameters; without grad there is nothing to reach)."""
+        if zero is not None and torch.is_grad_enabled():
+            self._zero = zero if self._zero is None else self._zero + zero
 
     def _announce_outside_call(self) -> None:
         if self.mode != "sync":
@@ -709,8 +711,7 @@ class _KnownFamily(MixedBatches):
         finally:
             self._target = target
         self.dummy_calls += 1
-        if torch.is_grad_enabled() and zero is not None:
-            self._zero = zero if self._zero is None else self._zero + zero
+        self._join(zero)
 
     def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
