@@ -104,12 +104,14 @@ def torch_supported(version: str | None = None) -> bool:
     return guard_supports(version or torch.__version__)
 
 
-def install_guard(model: nn.Module) -> Guard | None:
+def install_guard(model: nn.Module, *, armed: bool = True) -> Guard | None:
     """Guard ``model`` (the root that is, or will be, ``fully_shard``-ed); returns None when the guard is off, or on a
     torch older than :data:`MIN_TORCH` (one warning per process).
 
-    Idempotent: a second call returns the same guard. It may run before ``fully_shard`` (a framework selector that
-    shards afterwards): the FSDP2 groups are found at the first forward.
+    Idempotent: a second call returns the same guard (armed if either call armed it). It may run before
+    ``fully_shard`` (a framework selector that shards afterwards): the FSDP2 groups are found at the first forward.
+    ``armed=False``: the per-op check stays off (no ``TorchFunctionMode``, no per-op cost) until
+    :attr:`Guard.armed` is set; the generic layer uses it where its group check rules every sharded read out.
     """
     if not guard_enabled():
         return None
@@ -125,8 +127,9 @@ def install_guard(model: nn.Module) -> Guard | None:
         return None
     existing = _GUARDS.get(model)
     if existing is not None and existing.installed:
+        existing.armed = existing.armed or armed
         return existing
-    guard = Guard(model)
+    guard = Guard(model, armed=armed)
     _GUARDS[model] = guard
     return guard
 
@@ -175,8 +178,11 @@ class _GuardMode(TorchFunctionMode):
 class Guard:
     """The run-time guard of one model; see the module docstring. ``events`` lists the groups it unsharded."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, armed: bool = True) -> None:
         self.model = model
+        #: False: no per-op check (a forward costs nothing); the hooks stay, so arming later takes effect at the
+        #: next forward.
+        self.armed = armed
         self.events: list[GuardEvent] = []
         self.unshards = 0  # run-time unshards so far (every step counts)
         self._mode = _GuardMode(self)
@@ -225,7 +231,7 @@ class Guard:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._depth += 1
-        if self._depth > 1 or self._broken:
+        if self._depth > 1 or self._broken or not self.armed:
             return
         if not self._safely(self._prepare):
             return

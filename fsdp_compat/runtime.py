@@ -1,22 +1,33 @@
 """What every plan applier installs on the root model it shards, in one call: the run-time guard (a read the plan
 did not foresee unshards its group instead of crashing) and mixed micro-batch alignment (a rank without images
 still issues the vision tower's collectives; a vision-tower call outside the model's forward, as in ``generate``,
-is unsharded and counted; ``generate`` keeps the ranks in step). A user of plain FSDP2 calls it too, after
-``fully_shard``: the outside-forward tower crash and the mixed-batch mismatch are FSDP2's, under every plan."""
+is unsharded and counted; ``generate`` keeps the ranks in step). A user of plain FSDP2 gets it from the generic
+layer (:mod:`fsdp_compat.every_root`) at the root's first forward, or calls it after ``fully_shard``: the
+outside-forward tower crash and the mixed-batch mismatch are FSDP2's, under every plan."""
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
-__all__ = ["install_runtime"]
+__all__ = ["install_runtime", "runtime_installed"]
+
+_INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def install_runtime(model: nn.Module) -> None:
+def install_runtime(model: nn.Module, *, armed: bool = True) -> None:
     """Install both on ``model`` (idempotent; each has its own switch: ``FSDP_COMPAT_GUARD``,
     ``FSDP_COMPAT_MIXED_BATCHES``). It may run before ``fully_shard``: both find the FSDP2 groups at the first
-    forward."""
+    forward. ``armed=False`` installs the guard without its per-op check (see :func:`fsdp_compat.guard.install_guard`)."""
     from fsdp_compat.guard import install_guard
     from fsdp_compat.mixed_batches import install_mixed_batches
 
-    install_guard(model)
+    install_guard(model, armed=armed)
     install_mixed_batches(model)
+    _INSTALLED.add(model)
+
+
+def runtime_installed(model: nn.Module) -> bool:
+    """Whether :func:`install_runtime` ran on ``model`` (an adapter's applier, or the generic layer already)."""
+    return model in _INSTALLED

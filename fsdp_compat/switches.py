@@ -34,6 +34,7 @@ FORCE = "FSDP_COMPAT_FORCE"  #: on: patch a framework version outside the suppor
 LOG = "FSDP_COMPAT_LOG"  #: quiet (or off): drop the INFO lines
 GUARD = "FSDP_COMPAT_GUARD"  #: off: no run-time guard
 MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"  #: sync (on), always, off
+GENERIC = "FSDP_COMPAT_GENERIC"  #: off: FSDP2 roots fsdp-compat did not shard get no run-time layer
 
 ON = ("1", "on", "true", "yes", "enable", "enabled")
 OFF = ("0", "off", "false", "no", "disable", "disabled")

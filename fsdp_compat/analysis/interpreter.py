@@ -279,8 +279,8 @@ class _Analyzer:
     def _hooks(self, module: nn.Module, path: str) -> None:
         hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
         for hook in hooks:
-            if getattr(hook, "__fsdp_compat_guard__", False):
-                continue  # fsdp-compat's own run-time guard: reads no parameter
+            if getattr(hook, "__fsdp_compat_guard__", False) or _is_fsdp2_hook(hook):
+                continue  # fsdp-compat's own run-time layer, or FSDP2's own hooks (a sharded model's window)
             # Hooks registered before fully_shard run inside the module's window (FSDP2 prepends its pre-hook and
             # appends its post-hook), so the module's own parameters are unsharded there.
             site = _Site(path, frozenset(), f"forward hook {getattr(hook, '__qualname__', repr(hook))}")
@@ -686,3 +686,10 @@ class _Bound:
 def find_raw_reads(model: nn.Module, tree: ModuleTree | None = None) -> Analysis:
     """Static evidence for ``model``: raw reads, skip-level forward calls and unreadable (opaque) modules."""
     return _Analyzer(tree or ModuleTree.build(model)).run()
+
+
+def _is_fsdp2_hook(hook: Any) -> bool:
+    """A hook ``fully_shard`` registered (its window's unshard and reshard): on a model analysed after sharding,
+    FSDP2's own hooks are the window itself, not a read of the parameters."""
+    func = getattr(hook, "__func__", hook)
+    return str(getattr(func, "__module__", "") or "").startswith("torch.distributed.fsdp.")

@@ -61,3 +61,34 @@ def test_a_missing_internal_stands_aside_and_training_continues_as_without_the_g
         warnings = [line for line in b["log"] if line.startswith(STOOD_ASIDE)]
         assert len(warnings) == 1 and "AttributeError" in warnings[0], b["log"]
         assert not [line for line in o["log"] if line.startswith(STOOD_ASIDE)]
+
+
+def test_the_generic_layers_hook_point_is_where_it_assumes() -> None:
+    """``FSDPState._root_pre_forward(self, module, args, kwargs)`` exists, is called through ``self`` (a class lookup
+    at every call, so the replacement reaches every root) and decides the root (``_is_root`` None before, True
+    after): what ``fsdp_compat.every_root`` relies on, on this torch."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert list(inspect.signature(FSDPState._root_pre_forward).parameters) == ["self", "module", "args", "kwargs"]
+    assert "self._root_pre_forward(module, args, kwargs)" in inspect.getsource(FSDPState._pre_forward)
+    assert "self._lazy_init()" in inspect.getsource(FSDPState._root_pre_forward)
+    assert "self._is_root = True" in inspect.getsource(FSDPState._lazy_init)
+
+
+def test_the_generic_layer_trains_an_unseen_trainers_glm4v_exactly_on_image_text_ranks() -> None:
+    """A trainer's own ``fully_shard`` rule on GLM4V (its vision position table in a group of its own), image|text
+    ranks, fsdp-compat merely installed: the generic layer's guard and alignment make it exact (0.0) on this torch
+    (``tests/core/test_every_root.py`` has the crash-first cases)."""
+    kinds = ["image", "text"]
+    run = run_ranks(
+        "lab.every_root:own_trainer_rank",
+        {"model": "glm4v", "steps": 2, "variants": [kinds[r % 2] for r in range(WORLD_SIZE)]},
+        world_size=WORLD_SIZE,
+        timeout_s=120,
+    )
+    run.raise_for_error()
+    for rank in run.ranks:
+        assert rank.extra["grad_diff"] == 0.0 and rank.extra["param_diff"] == 0.0, rank.extra
+        assert rank.extra["guard_armed"] is True and rank.extra["guard_unshards"] == 2, rank.extra

@@ -1,0 +1,88 @@
+"""Rank-side code of the generic layer's tests: a trainer fsdp-compat has no adapter for shards the model with
+``fully_shard`` by its own rule, and trains it data-parallel against one process.
+
+Imported in fresh rank interpreters. The trainer below is written as such trainers are (verl's old rule, copied by
+lmms-engine, miles, siirl, ROLL): ``fully_shard`` bound by name when this module is imported, every
+``_no_split_modules``-class module and every untied ``nn.Embedding`` its own group, then the root. Nothing of
+fsdp-compat is imported here: whatever protects the job is the installed ``.pth`` hook (or, with
+``cfg["activate"] == "late"``, an explicit ``import fsdp_compat.adapters.fsdp2`` after the model was sharded).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+from typing import Any
+
+import torch
+from lab.observe import LogLines, fsdp_groups
+from torch import nn
+from torch.distributed.fsdp import fully_shard  # bound by name at import, as every such trainer does
+
+from fsdp_compat.testing.parity import Diff, init_group, loss_scale, reference_backward, runtime_counters
+
+__all__ = ["own_apply_fsdp2", "own_trainer_rank"]
+
+
+def own_apply_fsdp2(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> None:
+    """A trainer's own sharding: layer classes from ``_no_split_modules``, every embedding when untied, the root."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    targets = [
+        m
+        for m in model.modules()
+        if type(m).__name__ in layer_classes or (isinstance(m, nn.Embedding) and not tied)
+    ]
+    for module in reversed(targets):  # children first, as FSDP2 requires
+        fully_shard(module, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+
+
+def own_trainer_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """Zoo model ``cfg["model"]`` sharded by :func:`own_apply_fsdp2`, this rank on its own batch
+    (``cfg["variants"][rank]``, seed 100 + rank) for ``cfg["steps"]`` AdamW steps, against the unsharded reference
+    on every rank's batch with the mean loss. ``extra``: the groups, fsdp-compat's log lines, whether the guard is
+    armed, the run-time counters, losses and the worst differences."""
+    lines = LogLines()
+    logging.getLogger("fsdp_compat").addHandler(lines)
+    extra["log"] = lines.lines
+    init_group(cfg, rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    model = build_model(cfg["model"], seed=0)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (cfg["world_size"],))
+    scale = loss_scale(mesh)  # torch 2.8 over gloo sums gradients: the harness scales, the product does not
+    own_apply_fsdp2(model, {"mesh": mesh})
+    if cfg.get("activate") == "late":
+        importlib.import_module("fsdp_compat.adapters.fsdp2")
+    extra["groups"] = fsdp_groups(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    kinds = cfg["variants"]
+    batches = [make_batch(cfg["model"], seed=100 + r, variant=kinds[r]) for r in range(cfg["world_size"])]
+    grads, params = Diff(), Diff()  # NaN-failing
+    extra["losses"], extra["reference_losses"] = [], []
+    for _ in range(cfg["steps"]):
+        loss = model(**batches[rank]).loss
+        (loss * scale).backward()
+        ref_losses = reference_backward(reference, batches)
+        ref_params = dict(reference.named_parameters())
+        grads.add_grads(model, {name: p.grad for name, p in ref_params.items()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        params.add_params(model, ref_params)
+        extra["losses"].append(float(loss.detach()))
+        extra["reference_losses"].append(float(ref_losses[rank]))
+    extra["grad_diff"], extra["param_diff"] = grads.abs, params.abs
+    extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
+    extra.update(runtime_counters(model))
+    from fsdp_compat.guard import guard_of
+
+    guard = guard_of(model)
+    extra["guard_armed"] = None if guard is None else guard.armed
