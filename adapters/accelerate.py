@@ -38,14 +38,14 @@ older and 1.17 and newer are outside the range (not run): they warn once and are
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat.activation import Release, Replacement, declare
 
 from . import trigger
-from ._existing import check_groups, evidence, report, root_module, sharded_groups
+from ._existing import check_groups, sharded_groups
+from ._prepare import make_prepare_model
 
 __all__ = [
     "ADAPTER",
@@ -67,39 +67,11 @@ FRAMEWORK = "accelerate"
 ADVICE = "keep these modules out of accelerate's groups (the plugin's transformer_cls_names_to_wrap)"
 
 
-def _model_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The ``model`` of ``fsdp2_prepare_model(accelerator, model, ...)``, by keyword or position (None if absent)."""
-    return kwargs["model"] if "model" in kwargs else (args[1] if len(args) > 1 else None)
-
-
 def make_fsdp2_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
     """accelerate's ``fsdp2_prepare_model(accelerator, model, ...)`` with every argument passed on, its result
-    returned; its groups checked (analyzed policies) and fsdp-compat's run-time layer installed on the result."""
-
-    @functools.wraps(original)
-    def fsdp2_prepare_model(*args: Any, **kwargs: Any) -> Any:
-        from torch import nn
-        from torch.distributed.fsdp import FSDPModule
-
-        from fsdp_compat.policies import resolve_policy
-        from fsdp_compat.runtime import install_runtime
-
-        model = _model_argument(args, kwargs)
-        found = None
-        fresh = isinstance(model, nn.Module) and not isinstance(root_module(model), FSDPModule)  # else: as it came
-        if fresh and resolve_policy(policy).analyzed:
-            found = evidence(FRAMEWORK, model)
-        result = original(*args, **kwargs)
-        prepared = result if isinstance(result, nn.Module) else model
-        if not isinstance(prepared, nn.Module):
-            return result
-        if found is not None:
-            report(FRAMEWORK, prepared, found, ADVICE)
-        install_runtime(root_module(prepared))  # the run-time guard, and mixed micro-batches kept in step
-        return result
-
-    fsdp2_prepare_model.__fsdp_compat__ = True  # type: ignore[attr-defined]
-    return fsdp2_prepare_model
+    returned; its groups checked (analyzed policies) and fsdp-compat's run-time layer installed on the result (the
+    one wrapper, :mod:`fsdp_compat.adapters._prepare`, that axolotl's replacement of it gets too)."""
+    return make_prepare_model(original, policy, framework=FRAMEWORK, advice=ADVICE)
 
 
 #: The supported range is the index row (``fsdp_compat.adapters.ADAPTERS``); this row covers it.

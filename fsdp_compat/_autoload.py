@@ -61,8 +61,7 @@ def force_enabled() -> bool:
 
 def quiet() -> bool:
     """``FSDP_COMPAT_LOG=quiet`` (or off, or warning): INFO lines are dropped, warnings stay."""
-    level = switches.choice(ENV_LOG, ("info", "quiet"), "info", on="info", off="quiet", aliases={"warning": "quiet"})
-    return level == "quiet"
+    return switches.log_level() == "quiet"
 
 
 # ------------------------------------------------------------------------------------------------------- engine

@@ -27,8 +27,9 @@ def apply_fsdp2(
     """
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_compat.runtime import install_runtime
+    from fsdp_compat.runtime import check_runtime_switches, install_runtime
 
+    check_runtime_switches()  # a bad FSDP_COMPAT_GUARD / _MIXED_BATCHES raises before anything is sharded
     plan = plan_wrap(model, layer_classes, policy=policy)
     kwargs = dict(fsdp_kwargs or {})
     for group in plan.groups:

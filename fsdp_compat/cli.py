@@ -1,4 +1,6 @@
-"""``fsdp-compat``: plan (explain a wrap plan), smoke (prove the fix on 2 CPU ranks), doctor."""
+"""fsdp-compat: safe FSDP2 wrap plans, a run-time guard and mixed micro-batch alignment for verl, SkyRL and other
+FSDP2 trainers. Commands: plan (explain a wrap plan), smoke (prove the fix on 2 CPU ranks), doctor (what is
+installed, supported and patched)."""
 
 from __future__ import annotations
 
@@ -116,21 +118,35 @@ def _installed(framework: str) -> bool:
 
 
 def _cmd_doctor(_args: argparse.Namespace) -> int:
-    from fsdp_compat.doctor import report
+    from fsdp_compat.doctor import invalid_switches, report
 
     print(report())
-    return 0
+    return 1 if invalid_switches() else 0  # a value the run would refuse, or not take as written
+
+
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (an impossible number is refused before any work)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fsdp_compat import __version__
+
     parser = argparse.ArgumentParser(prog="fsdp-compat", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fsdp-compat {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the wrap plan of a model and the policies side by side")
     plan.add_argument("model", help="a zoo name (glm4v, glm4v-moe, qwen2, ...), full:NAME for a full-size "
                       "reference (full:glm4v is GLM-4.1V-9B), a config.json, or a model folder (meta device)")
     plan.add_argument("--policy", default="auto", help="auto (default), legacy, legacy-skyrl, input-only, layers-only")
-    plan.add_argument("--world-size", type=int, default=8, help="ranks for the per-rank byte figures (default 8)")
+    plan.add_argument("--world-size", type=_positive, default=8, help="ranks for the per-rank byte figures (default 8)")
     plan.add_argument("--layer-classes", default=None, help="comma-separated layer class names (default: "
                       "the model's _no_split_modules)")
     plan.add_argument("--all-evidence", action="store_true", help="also list reads that cost no sharding")
@@ -138,13 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     smoke = sub.add_parser("smoke", help="GLM4V FSDP2: the legacy crash, then the fix with exact parity")
-    smoke.add_argument("--framework", default="core", choices=["core", "verl", "skyrl", "all"])
-    smoke.add_argument("--world-size", type=int, default=None, help="default: 2 on cpu, one rank per GPU on cuda")
-    smoke.add_argument("--steps", type=int, default=3)
-    smoke.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    smoke.add_argument("--framework", default="core", choices=["core", "verl", "skyrl", "all"],
+                       help="core (default): fsdp-compat's own API, no framework needed; verl / skyrl: through the "
+                       "installed framework's own apply_fsdp2; all: each that is installed")
+    smoke.add_argument("--world-size", type=_positive, default=None,
+                       help="ranks (default: 2 on cpu, one rank per GPU on cuda)")
+    smoke.add_argument("--steps", type=_positive, default=3, help="AdamW steps per case (default 3)")
+    smoke.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="cpu (default): gloo ranks on the CPU; cuda: NCCL, one rank per visible GPU")
     smoke.set_defaults(func=_cmd_smoke)
 
-    doctor = sub.add_parser("doctor", help="installed frameworks, what is patched, whether activation is on")
+    doctor = sub.add_parser("doctor", help="installed frameworks, what is patched, whether activation is on; exits 1 "
+                            "on a switch value the run would refuse")
     doctor.set_defaults(func=_cmd_doctor)
     return parser
 

@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.process_world import PerWorld, job_timeout
 from fsdp_compat.torch_versions import GUARD_MIN_TORCH, guard_supports
 from fsdp_compat.tree import ModuleTree
 from fsdp_compat.units import fmt_bytes as _fmt_bytes
@@ -54,9 +55,9 @@ __all__ = [
     "install_guard", "torch_supported",
 ]
 
-ENV_GUARD = "FSDP_COMPAT_GUARD"
+ENV_GUARD = switches.GUARD
 # How long a rank about to unshard at a read waits for every rank of the group to reach the same read (seconds).
-ENV_AGREE_S = "FSDP_COMPAT_GUARD_AGREE_S"
+ENV_AGREE_S = switches.GUARD_AGREE_S
 _AGREE_S_DEFAULT = 60.0
 logger = logging.getLogger("fsdp_compat")
 
@@ -79,7 +80,9 @@ _METADATA = frozenset(
 _INTERNALS_CHANGED = (AttributeError, TypeError, KeyError, IndexError, ValueError, AssertionError)
 
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
-_ORDINALS = itertools.count()  # guards in the order their groups are found: the same on every rank
+# Guards in the order their groups are found: the same on every rank, counted per process group (a rank that joins a
+# new group after a restart starts at 0, and so must the survivors).
+_ORDINALS: PerWorld[Iterator[int]] = PerWorld(itertools.count)
 
 
 class GuardReadMismatch(FsdpCompatError):
@@ -294,7 +297,7 @@ class Guard:
                 state._root_post_backward_final_callback = wrapper
                 self._roots.append((state, wrapper, current))
         self._groups = list(groups.values())
-        self._ordinal = next(_ORDINALS)
+        self._ordinal = next(_ORDINALS.get())
         self._paths = {id(m): path for path, m in self.model.named_modules(remove_duplicate=False)}
 
     def _safely(self, call: Callable[..., Any], *args: Any) -> Any:
@@ -426,7 +429,7 @@ class Guard:
         key = f"{prefix}/{self._forwards}/{self._reads}/"
         store.set(key + str(me), name)
         self._agreed_keys.append(key + str(me))
-        seconds = float(os.environ.get(ENV_AGREE_S) or _AGREE_S_DEFAULT)
+        seconds = _agree_seconds()
         peers = [key + str(r) for r in ranks if r != me]
         try:
             store.wait(peers, datetime.timedelta(seconds=seconds))
@@ -510,6 +513,14 @@ def _marked(hook: Callable[..., Any]) -> Callable[..., Any]:
     marked = functools.partial(hook)
     marked.__fsdp_compat_guard__ = True  # type: ignore[attr-defined]
     return marked
+
+
+def _agree_seconds() -> float:
+    """How long a rank waits for the others at a run-time unshard: ``FSDP_COMPAT_GUARD_AGREE_S`` (60), never longer
+    than the job's own process-group timeout (a job that set 20 s fails at 20 s, as plain FSDP2 would)."""
+    seconds = switches.seconds(ENV_AGREE_S, _AGREE_S_DEFAULT)
+    timeout = job_timeout()
+    return seconds if timeout is None else min(seconds, timeout.total_seconds())
 
 
 def _param_groups(state: Any) -> list[Any]:

@@ -65,6 +65,7 @@ from torch import nn
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.process_world import PerWorld, job_timeout
 from fsdp_compat.vlm_families import (
     FAMILIES,
     VisionFamily,
@@ -91,8 +92,8 @@ __all__ = [
     "tile_inputs",
 ]
 
-ENV_MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"
-MODES = ("sync", "always", "off")
+ENV_MIXED_BATCHES = switches.MIXED_BATCHES
+MODES = switches.MIXED_BATCHES_MODES
 logger = logging.getLogger("fsdp_compat")
 
 # Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, Video-LLaVA's
@@ -109,7 +110,7 @@ _TOWER_NAMES = (
 def mixed_batches_mode() -> str:
     """``FSDP_COMPAT_MIXED_BATCHES`` (``sync`` when unset; the on spellings mean ``sync``, the off spellings ``off``:
     :mod:`fsdp_compat.switches`); an unknown value is an error naming the choices."""
-    return switches.choice(ENV_MIXED_BATCHES, MODES, "sync", on="sync", off="off", strict=True)
+    return switches.mixed_batches_mode(strict=True)
 
 
 def _family_of(module: nn.Module) -> VisionFamily | None:
@@ -223,20 +224,24 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------------ exchange
 
-_HOST_GROUPS: dict[tuple[int, ...], Any] = {}
+_HOST_GROUPS: PerWorld[dict[tuple[int, ...], Any]] = PerWorld(dict)
 
 
 def _host_group(ranks: tuple[int, ...]) -> Any:
-    """A gloo process group over ``ranks``, made once per process at the first exchange. ``new_group`` is itself
-    collective: every rank of ``ranks`` makes its first exchange at the same point of the same forward (or tower call
-    outside it), after the root's unshard, so no rank waits in it while another waits in an all-gather. Local
-    synchronisation: ranks outside ``ranks`` (another data-parallel replica's sub-mesh) need not take part."""
+    """A gloo process group over ``ranks``, made once per process group (:mod:`fsdp_compat.process_world`: a new
+    default group after a restart gets new ones) at the first exchange, with the job's timeout. ``new_group`` is
+    itself collective: every rank of ``ranks`` makes its first exchange at the same point of the same forward (or
+    tower call outside it), after the root's unshard, so no rank waits in it while another waits in an all-gather.
+    Local synchronisation: ranks outside ``ranks`` (another data-parallel replica's sub-mesh) need not take part."""
     import torch.distributed as dist
 
-    group = _HOST_GROUPS.get(ranks)
+    groups = _HOST_GROUPS.get()
+    group = groups.get(ranks)
     if group is None:
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-        _HOST_GROUPS[ranks] = group
+        timeout = job_timeout()
+        extra = {} if timeout is None else {"timeout": timeout}
+        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **extra)
+        groups[ranks] = group
     return group
 
 

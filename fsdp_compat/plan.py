@@ -12,6 +12,7 @@ group. Only :mod:`fsdp_compat.apply` touches torch.distributed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -551,6 +552,10 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
         for path, why in sorted(decisions.kept.items())
         if path not in in_groups
     )
+    cliff = _opaque_cliff(tree, root_entries, type(model).__name__)
+    if cliff:
+        warnings.append(cliff)
+        logging.getLogger("fsdp_compat").warning("fsdp-compat: %s", cliff)
     return WrapPlan(
         model_class=type(model).__name__,
         policy=chosen_policy.name,
@@ -563,6 +568,31 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
         total_bytes=total_size[1],
         evidence=evidence,
         warnings=tuple(warnings),
+    )
+
+
+_OPAQUE_SITE = re.compile(r"\(([^;()]+); (?:handed to code|held by an object) the analysis does not")
+
+
+def _opaque_cliff(tree: ModuleTree, entries: Iterable[RootEntry], model_class: str) -> str:
+    """One line naming the code the analysis could not follow (a hook handing the module to an opaque call, say) and
+    the bytes it keeps unsharded in the root, when such code kept candidates out of their groups; else ""."""
+    by_site: dict[str, list[RootEntry]] = {}
+    for entry in entries:
+        found = _OPAQUE_SITE.search(entry.reason)
+        if found and not entry.enclosing:
+            by_site.setdefault(found.group(1), []).append(entry)
+    parts = []
+    for site, kept in by_site.items():
+        nbytes = sum(p.numel() * p.element_size() for e in kept for _, p in tree.subtree_params(e.path))
+        parts.append(f"{site} ({len(kept)} candidates, {_fmt_bytes(nbytes)}: {', '.join(e.path for e in kept[:4])}"
+                     f"{', ...' if len(kept) > 4 else ''})")
+    if not parts:
+        return ""
+    return (
+        f"{model_class}: code the analysis cannot follow keeps candidates in the root group, unsharded on every rank "
+        f"for the whole forward: {'; '.join(parts)}. If that code reads no parameter, make it not take the module "
+        "(or its inputs) into code fsdp-compat cannot read; the plan cannot shard what it cannot show safe."
     )
 
 

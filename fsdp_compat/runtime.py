@@ -11,7 +11,7 @@ import weakref
 
 from torch import nn
 
-__all__ = ["install_runtime", "runtime_installed"]
+__all__ = ["check_runtime_switches", "install_runtime", "runtime_installed"]
 
 _INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -19,13 +19,26 @@ _INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 def install_runtime(model: nn.Module, *, armed: bool = True) -> None:
     """Install both on ``model`` (idempotent; each has its own switch: ``FSDP_COMPAT_GUARD``,
     ``FSDP_COMPAT_MIXED_BATCHES``). It may run before ``fully_shard``: both find the FSDP2 groups at the first
-    forward. ``armed=False`` installs the guard without its per-op check (see :func:`fsdp_compat.guard.install_guard`)."""
+    forward. ``armed=False`` installs the guard without its per-op check (:func:`fsdp_compat.guard.install_guard`)."""
     from fsdp_compat.guard import install_guard
     from fsdp_compat.mixed_batches import install_mixed_batches
 
     install_guard(model, armed=armed)
     install_mixed_batches(model)
     _INSTALLED.add(model)
+
+
+def check_runtime_switches() -> None:
+    """Read the run-time layer's switches strictly (``FSDP_COMPAT_GUARD``, ``FSDP_COMPAT_MIXED_BATCHES``,
+    ``FSDP_COMPAT_GUARD_AGREE_S``): an applier calls it before its first ``fully_shard``, so a value the run would
+    refuse raises there and changes nothing (not after the model was sharded)."""
+    from fsdp_compat import switches
+    from fsdp_compat.guard import _AGREE_S_DEFAULT, guard_enabled
+    from fsdp_compat.mixed_batches import mixed_batches_mode
+
+    guard_enabled()
+    mixed_batches_mode()
+    switches.seconds(switches.GUARD_AGREE_S, _AGREE_S_DEFAULT)
 
 
 def runtime_installed(model: nn.Module) -> bool:

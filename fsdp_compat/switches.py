@@ -34,7 +34,12 @@ FORCE = "FSDP_COMPAT_FORCE"  #: on: patch a framework version outside the suppor
 LOG = "FSDP_COMPAT_LOG"  #: quiet (or off): drop the INFO lines
 GUARD = "FSDP_COMPAT_GUARD"  #: off: no run-time guard
 MIXED_BATCHES = "FSDP_COMPAT_MIXED_BATCHES"  #: sync (on), always, off
+GUARD_AGREE_S = "FSDP_COMPAT_GUARD_AGREE_S"  #: seconds a rank waits for the others at a run-time unshard
 GENERIC = "FSDP_COMPAT_GENERIC"  #: off: FSDP2 roots fsdp-compat did not shard get no run-time layer
+
+#: The choices of FSDP_COMPAT_MIXED_BATCHES (sync is on) and of FSDP_COMPAT_LOG (quiet is off).
+MIXED_BATCHES_MODES = ("sync", "always", "off")
+LOG_LEVELS = ("info", "quiet")
 
 ON = ("1", "on", "true", "yes", "enable", "enabled")
 OFF = ("0", "off", "false", "no", "disable", "disabled")
@@ -111,3 +116,54 @@ def choice(
     accepted = (*choices, *(ON if on is not None else ()), *(OFF if off is not None else ()), *(aliases or ()))
     _unknown(variable, raw, what or "understood", accepted, default, strict)
     return default
+
+
+def seconds(variable: str, default: float) -> float:
+    """A positive number of seconds; unset or empty: ``default``; anything else is an error naming the variable."""
+    raw = _raw(variable)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from fsdp_compat.errors import FsdpCompatError  # lazy: only on the error path
+
+        raise FsdpCompatError(
+            f"{variable}={raw!r} is not a positive number of seconds; set one or unset it for {default:g}"
+        )
+    return value
+
+
+def mixed_batches_mode(*, strict: bool = True) -> str:
+    """``FSDP_COMPAT_MIXED_BATCHES``: ``sync`` when unset (the on spellings mean ``sync``, the off ones ``off``)."""
+    return choice(MIXED_BATCHES, MIXED_BATCHES_MODES, "sync", on="sync", off="off", strict=strict)
+
+
+def log_level(*, strict: bool = False) -> str:
+    """``FSDP_COMPAT_LOG``: ``info`` when unset; ``quiet`` (or off, or ``warning``) drops the INFO lines."""
+    return choice(LOG, LOG_LEVELS, "info", on="info", off="quiet", aliases={"warning": "quiet"}, strict=strict)
+
+
+def invalid(policy_names: Iterable[str]) -> list[tuple[str, str]]:
+    """(variable, why) for every ``FSDP_COMPAT*`` value the run would not take as it is, each read strictly as the
+    run reads it (``fsdp-compat doctor`` shows them and exits non-zero)."""
+    readers = {
+        SWITCH: lambda: flag(SWITCH, True, strict=True),
+        AUTOLOAD: lambda: flag(AUTOLOAD, True, strict=True),
+        FORCE: lambda: flag(FORCE, False, strict=True),
+        LOG: lambda: log_level(strict=True),
+        POLICY: lambda: choice(POLICY, tuple(policy_names), "auto", what="a policy name", strict=True),
+        GUARD: lambda: flag(GUARD, True, strict=True),
+        GUARD_AGREE_S: lambda: seconds(GUARD_AGREE_S, 60.0),
+        MIXED_BATCHES: lambda: mixed_batches_mode(strict=True),
+        GENERIC: lambda: flag(GENERIC, True, strict=True),
+    }
+    found = []
+    for variable, read in readers.items():
+        try:
+            read()
+        except Exception as exc:  # FsdpCompatError, named lazily here
+            found.append((variable, str(exc)))
+    return found

@@ -310,9 +310,14 @@ class _Analyzer:
         self.visited[key] = _Outcome()
         extra = positional[len(facts.positional):]
         extra_kw = {k: v for k, v in kwargs.items() if k not in bindings}
-        leftovers = [o for v in (*extra, *extra_kw.values()) for o in v]
-        if leftovers and not (facts.vararg or facts.kwarg):
-            leftovers = []  # a call that would raise TypeError: nothing runs
+        # What lands in *args / **kwargs escapes, unless the function never mentions that name (a counter or
+        # profiler hook ``def hook(*args): calls.append(1)``): a value nothing can reach is read by nobody.
+        leftovers = [o for v in (extra_kw.values() if _mentions(facts, facts.kwarg) else ()) for o in v]
+        if facts.vararg and extra:
+            if all(len(v) == 1 for v in extra):  # ``args`` is the tuple it is at run time: its uses are followed
+                bindings[facts.vararg] = (tuple(v[0] for v in extra),)
+            else:  # several possible values per position: no one tuple to follow
+                leftovers += [o for v in extra for o in v]
         closure = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
         returned: dict[int, list[Any]] = {}
         called: dict[int, frozenset[str]] = {}
@@ -693,3 +698,15 @@ def _is_fsdp2_hook(hook: Any) -> bool:
     FSDP2's own hooks are the window itself, not a read of the parameters."""
     func = getattr(hook, "__func__", hook)
     return str(getattr(func, "__module__", "") or "").startswith("torch.distributed.fsdp.")
+
+
+def _mentions(facts: FunctionFacts, name: str | None) -> bool:
+    """Whether the function's body reaches the variable ``name`` at all (False for None: no such parameter)."""
+    if name is None:
+        return False
+    for use in facts.uses:
+        if name in use.bases or any(ref.root == name for ref in use.refs):
+            return True
+        if any(ref.root == name for arg in use.args for ref in arg.refs):
+            return True
+    return False

@@ -142,3 +142,37 @@ def test_plan_folds_repeated_layers_unless_asked_for_every_row(capsys: pytest.Ca
     every = capsys.readouterr().out.split("\n\n")[0]
     assert len([line for line in every.splitlines()[2:] if line.strip()[:1].isdigit()]) == 68
     assert "x40" not in every and "model.language_model.layers.39 " in every
+
+
+def test_version_is_the_packages(capsys: pytest.CaptureFixture) -> None:
+    from fsdp_compat import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fsdp-compat {__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["smoke", "--steps", "-1"], ["smoke", "--steps", "0"], ["smoke", "--world-size", "0"],
+     ["plan", "glm4v", "--world-size", "-2"], ["smoke", "--steps", "two"]],
+)  # fmt: skip
+def test_impossible_numbers_are_refused_before_any_work(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a whole number >= 1" in err, err
+
+
+@pytest.mark.parametrize("command", [[], ["plan"], ["smoke"], ["doctor"]])
+def test_help_describes_every_option_in_plain_text(command: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out, out
+    options = re.findall(r"^  (--[a-z-]+)", out, flags=re.M)
+    for option in options:
+        block = out.split(option, 1)[1].split("\n  --", 1)[0]
+        assert len(block.split()) > 2, (option, block)  # a description follows the option's metavar

@@ -16,13 +16,13 @@ import logging
 from typing import Any
 
 import torch
-from lab.observe import LogLines, fsdp_groups
 from torch import nn
 from torch.distributed.fsdp import fully_shard  # bound by name at import, as every such trainer does
 
 from fsdp_compat.testing.parity import Diff, init_group, loss_scale, reference_backward, runtime_counters
+from lab.observe import LogLines, fsdp_groups
 
-__all__ = ["own_apply_fsdp2", "own_trainer_rank"]
+__all__ = ["own_apply_fsdp2", "own_trainer_rank", "train_own_rule"]
 
 
 def own_apply_fsdp2(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> None:
@@ -48,6 +48,11 @@ def own_trainer_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> N
     logging.getLogger("fsdp_compat").addHandler(lines)
     extra["log"] = lines.lines
     init_group(cfg, rank)
+    train_own_rule(cfg, rank, extra)
+
+
+def train_own_rule(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """:func:`own_trainer_rank`'s training, in the process group that exists now."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.testing.zoo import build_model, make_batch

@@ -656,13 +656,17 @@ def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
 
 
 def guard_report() -> dict[str, Any]:
-    """Probe for any wrap (no ``_record`` needed): every guard installed in this rank, found through the guard's own
-    registry, with its run-time unshards and log lines. A plan that needs no guard must report ``unshards == 0``."""
+    """Probe for any wrap (no ``_record`` needed): every armed guard installed in this rank, found through the guard's
+    own registry, with its run-time unshards and log lines. A plan that needs no guard must report ``unshards == 0``.
+    ``disarmed``: guards the generic layer put on other FSDP2 roots whose groups passed its check (the harness's
+    one-weight probe of FSDP2's gradient reduction is one): they watch no op."""
     from fsdp_compat.guard import _GUARDS
 
-    guards = [g for g in list(_GUARDS.values()) if g.installed]
+    installed = [g for g in list(_GUARDS.values()) if g.installed]
+    guards = [g for g in installed if g.armed]
     return {
         "guards": len(guards),
+        "disarmed": len(installed) - len(guards),
         "unshards": sum(g.unshards for g in guards),
         "events": [e.message for g in guards for e in g.events],
         "stood_aside": any(g._broken for g in guards),
