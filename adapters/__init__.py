@@ -61,6 +61,10 @@ class AdapterEntry:
 #: adapter key -> entry. verl: 0.10.0.dev* is main (same selector as 0.9.1); 0.10.0a0 and later are unknown.
 #: SkyRL: skyrl-train is superseded by skyrl (both can be installed side by side); skyrl 0.0.1 is a placeholder.
 ADAPTERS: dict[str, AdapterEntry] = {
+    # The generic layer (fsdp_compat.every_root): every FSDP2 root, whoever called fully_shard. First: it is the reach.
+    "fsdp2": AdapterEntry(
+        "fsdp_compat.adapters.fsdp2", {"torch": ("torch.distributed.fsdp._fully_shard._fsdp_state", ">=2.8,<2.16")}
+    ),
     "verl": AdapterEntry(
         "fsdp_compat.adapters.verl",
         {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")},
@@ -74,7 +78,7 @@ ADAPTERS: dict[str, AdapterEntry] = {
         },
     ),
     "transformers": AdapterEntry(
-        "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.25")}
+        "fsdp_compat.adapters.transformers", {"transformers": ("transformers.distributed.fsdp", ">=5.16.1,<5.26")}
     ),
     "areal": AdapterEntry("fsdp_compat.adapters.areal", {"areal": ("areal.engine.fsdp_utils", ">=1.0.4,<1.1")}),
     "llamafactory": AdapterEntry(
@@ -87,6 +91,19 @@ ADAPTERS: dict[str, AdapterEntry] = {
     "nemo_automodel": AdapterEntry(
         "fsdp_compat.adapters.nemo_automodel",
         {"nemo-automodel": ("nemo_automodel.components.distributed.parallelizer", ">=0.7.0,<0.8")},
+    ),
+    # axolotl replaces accelerate's fsdp2_prepare_model with its own (adapters/axolotl.py wraps axolotl's)
+    "axolotl": AdapterEntry(
+        "fsdp_compat.adapters.axolotl", {"axolotl": ("axolotl.monkeypatch.accelerate.fsdp2", ">=0.19.0,<0.22")}
+    ),
+    # trainers with their own copy of verl's old apply_fsdp2 (adapters/verl_copies.py: one row each)
+    "verl_copies": AdapterEntry(
+        "fsdp_compat.adapters.verl_copies",
+        {
+            "lmms-engine": ("lmms_engine.utils.fsdp2_utils", ">=0.1.4,<0.1.5"),
+            "siirl": ("siirl.utils.model_utils.fsdp_utils", ">=0.2.0,<0.2.1"),
+            "trinity-rft": ("trinity.trainer.verl_legacy.utils", ">=0.6.0,<0.6.1"),
+        },
     ),
 }
 

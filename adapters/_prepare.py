@@ -12,6 +12,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_compat.policies import Policy
+
 from ._existing import evidence, report, root_module
 
 __all__ = ["make_prepare_model", "model_argument"]
@@ -22,7 +24,9 @@ def model_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs["model"] if "model" in kwargs else (args[1] if len(args) > 1 else None)
 
 
-def make_prepare_model(original: Callable[..., Any], policy: str, *, framework: str, advice: str) -> Callable[..., Any]:
+def make_prepare_model(
+    original: Callable[..., Any], policy: Policy, *, framework: str, advice: str
+) -> Callable[..., Any]:
     """``original(accelerator, model, ...)`` with every argument passed on, its result returned; its groups checked
     (analyzed policies) and the run-time layer installed on the result. A model that arrives sharded already is not
     read again (its groups were made elsewhere); it gets the run-time layer, which is installed once."""
@@ -32,13 +36,12 @@ def make_prepare_model(original: Callable[..., Any], policy: str, *, framework: 
         from torch import nn
         from torch.distributed.fsdp import FSDPModule
 
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         model = model_argument(args, kwargs)
         found = None
         fresh = isinstance(model, nn.Module) and not isinstance(root_module(model), FSDPModule)  # else: as it came
-        if fresh and resolve_policy(policy).analyzed:
+        if fresh and policy.analyzed:
             found = evidence(framework, model)
         result = original(*args, **kwargs)
         prepared = result if isinstance(result, nn.Module) else model

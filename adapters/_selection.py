@@ -24,6 +24,7 @@ from typing import Any
 
 from fsdp_compat.activation import logger
 from fsdp_compat.paths import within
+from fsdp_compat.policies import Policy
 
 __all__ = [
     "DeferredShards",
@@ -272,7 +273,7 @@ class DeferredShards:
             shard(module, *args, **kwargs)
 
 
-def make_deferring_fully_shard(original: Callable[..., Any], _policy: str) -> Callable[..., Any]:
+def make_deferring_fully_shard(original: Callable[..., Any], _policy: Policy) -> Callable[..., Any]:
     """The ``fully_shard`` a framework module bound by name: inside an open :class:`DeferredShards` of this thread
     the call goes to it, everywhere else straight to ``original``."""
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat.activation import Release, Replacement, declare
+from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._existing import check_groups, sharded_groups
@@ -67,7 +68,7 @@ FRAMEWORK = "accelerate"
 ADVICE = "keep these modules out of accelerate's groups (the plugin's transformer_cls_names_to_wrap)"
 
 
-def make_fsdp2_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def make_fsdp2_prepare_model(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """accelerate's ``fsdp2_prepare_model(accelerator, model, ...)`` with every argument passed on, its result
     returned; its groups checked (analyzed policies) and fsdp-compat's run-time layer installed on the result (the
     one wrapper, :mod:`fsdp_compat.adapters._prepare`, that axolotl's replacement of it gets too)."""

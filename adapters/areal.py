@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat.activation import Release, Replacement, declare
+from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._selection import configured_wrap_list, layer_class_names
@@ -62,18 +63,17 @@ def areal_selection(model: Any, layer_classes: list[str]) -> list[Any]:
     ]
 
 
-def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
+def make_apply_fsdp2(original: Callable[..., Any], policy: Policy) -> Callable[..., None]:
     """AReaL's ``apply_fsdp2(model, fsdp_kwargs, wrap_policy)`` with the unsafe groups left out; called with
     arguments this adapter does not know, AReaL's own function with all of them, and the run-time guard."""
 
     @functools.wraps(original)
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, wrap_policy: Any = None, *args: Any, **kwargs: Any) -> None:
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         from ._selection import foreign_arguments, keep_safe, outdated_fallback, unmatched
 
-        if not resolve_policy(policy).analyzed:  # legacy & co: AReaL's rule as it is
+        if not policy.analyzed:  # legacy & co: AReaL's rule as it is
             return original(model, fsdp_kwargs, wrap_policy, *args, **kwargs)
         if foreign_arguments("AReaL", "apply_fsdp2", args, kwargs):  # a newer release: its own function knows them
             install_runtime(model)

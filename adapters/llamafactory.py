@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat.activation import Release, Replacement, declare, logger
+from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._selection import make_deferring_fully_shard
@@ -63,19 +64,18 @@ def _is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def make_prepare_model(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def make_prepare_model(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """``FSDP2Engine.prepare_model(self, model, ...)``: the release's own method, every argument passed on, its
     ``fully_shard`` calls minus the unsafe groups."""
 
     @functools.wraps(original)
     def prepare_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         from ._selection import DeferredShards
 
         model = kwargs.get("model", args[0] if args else None)
-        if model is None or not resolve_policy(policy).analyzed:
+        if model is None or not policy.analyzed:
             return original(self, *args, **kwargs)  # legacy & co: LLaMA-Factory's method as it is
         with DeferredShards("LLaMA-Factory", model) as calls:
             result = original(self, *args, **kwargs)

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat.activation import Release, Replacement, declare
+from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._existing import evidence, report
@@ -78,7 +79,7 @@ def _module_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs["module"] if "module" in kwargs else (args[0] if args else None)
 
 
-def make_apply_fsdp2_sharding_recursively(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def make_apply_fsdp2_sharding_recursively(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """NeMo's ``apply_fsdp2_sharding_recursively(module, ...)`` with every argument passed on and its result
     returned; on the outermost call of a model its groups are checked (analyzed policies) and fsdp-compat's
     run-time layer installed on the model."""
@@ -92,12 +93,10 @@ def make_apply_fsdp2_sharding_recursively(original: Callable[..., Any], policy: 
         top = isinstance(module, nn.Module) and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
         if getattr(_inside, "active", False) or not top:
             return original(*args, **kwargs)
-
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         found = None
-        if resolve_policy(policy).analyzed and not isinstance(module, FSDPModule):
+        if policy.analyzed and not isinstance(module, FSDPModule):
             found = evidence(FRAMEWORK, module)
         _inside.active = True
         try:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat.activation import Reexport, Release, Replacement, declare, logger
+from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._selection import configured_wrap_list, layer_class_names
@@ -63,7 +64,7 @@ def configured_layer_classes(config: Any) -> list[str] | None:
     return layer_class_names(configured_wrap_list(config))
 
 
-def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
+def make_apply_fsdp2(original: Callable[..., Any], policy: Policy) -> Callable[..., None]:
     """SkyRL's ``apply_fsdp2(model, fsdp_kwargs, config)``, with groups chosen by fsdp-compat's planner; called with
     arguments this adapter does not know, SkyRL's own function with all of them, and the run-time guard."""
 
@@ -83,10 +84,9 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         if outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
             from torch.distributed.fsdp import fully_shard
 
-            from fsdp_compat.policies import resolve_policy
             from fsdp_compat.runtime import install_runtime
 
-            for module in outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed):
+            for module in outdated_fallback("SkyRL", model, outdated, policy.analyzed):
                 fully_shard(module, **dict(fsdp_kwargs or {}))
             fully_shard(model, **dict(fsdp_kwargs or {}))  # the root last, as SkyRL does
             install_runtime(model)  # the run-time guard, and mixed micro-batches kept in step
@@ -98,14 +98,13 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
     return apply_fsdp2
 
 
-def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
+def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: Policy) -> Callable[..., list[Any]]:
     """The upstream selector ``modules_to_wrap_fsdp2(model, cls_names)``: fsdp-compat's bottom-up targets; called
     with arguments this adapter does not know, SkyRL's own selection with them, minus what is unsafe."""
 
     @functools.wraps(original)
     def modules_to_wrap_fsdp2(model: Any, cls_names: Any = None, *args: Any, **kwargs: Any) -> list[Any]:
         from fsdp_compat.plan import select_wrap_targets
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         from ._selection import foreign_arguments, keep_safe, outdated_fallback, unmatched
@@ -114,10 +113,10 @@ def make_modules_to_wrap_fsdp2(original: Callable[..., Any], policy: str) -> Cal
         outdated = unmatched(model, names)
         if foreign_arguments("SkyRL", UPSTREAM_SELECTOR, args, kwargs):  # SkyRL's own candidates, minus the unsafe
             targets = list(original(model, cls_names, *args, **kwargs))
-            if resolve_policy(policy).analyzed:
+            if policy.analyzed:
                 targets = keep_safe("SkyRL", model, targets)
         elif outdated is not None:  # SkyRL trains with such a list (embeddings only): so do we, with a warning
-            targets = outdated_fallback("SkyRL", model, outdated, resolve_policy(policy).analyzed)
+            targets = outdated_fallback("SkyRL", model, outdated, policy.analyzed)
         else:
             targets = select_wrap_targets(model, names, policy=policy)
         # after the analysis (which reads the model's own forwards), before SkyRL's own fully_shard calls

@@ -8,14 +8,15 @@ user's ``DistributedConfig(fsdp_plan=...)`` merged on top) maps module paths to 
 ================  ==============================================================================================
 transformers      replaced in ``transformers.distributed.fsdp``
 ================  ==============================================================================================
-5.23.0 - 5.24.x   ``apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan)`` (the resolved,
+5.23.0 - 5.25.x   ``apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan)`` (the resolved,
                   expanded plan arrives as an argument; rebound in ``transformers.distributed.mixin``)
 5.16.1 - 5.22.x   ``expand_fsdp_plan(model, fsdp_plan)`` (the function that turns the plan into the target lists;
                   ``apply_fully_sharded_data_parallelism`` looks it up at call time)
 ================  ==============================================================================================
 
-5.24.0 is tested end to end; 5.23.0's ``fsdp.py`` is identical to 5.24.0's; 5.16.1's row ran in one process
-(planning only); 5.17 - 5.22 were read, not run.
+5.24.0 and 5.25.0 are tested end to end; 5.23.0's and 5.25.0's ``fsdp.py`` are identical to 5.24.0's (one
+fingerprint: a newer release over that code is patched too, :mod:`fsdp_compat.fingerprints`); 5.16.1's row ran in one
+process (planning only); 5.17 - 5.22 were read, not run.
 
 Some plans crash: untied Gemma4 reads ``embed_tokens.weight[pad_token_id]`` after that group resharded
 (``aten.where.self got mixed torch.Tensor and DTensor``); a user plan listing GLM4V's
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_compat import export
 from fsdp_compat.activation import Release, Replacement, declare
+from fsdp_compat.policies import Policy
 
 from . import trigger
 
@@ -126,15 +128,14 @@ def _is_rank_zero() -> bool:
         return True
 
 
-def _fixed(model: Any, fsdp_plan: dict[str, str], original: Callable[..., Any], policy: str) -> dict[str, str]:
+def _fixed(model: Any, fsdp_plan: dict[str, str], original: Callable[..., Any], policy: Policy) -> dict[str, str]:
     """The plan to apply under ``policy``, each change logged once (rank 0); transformers' own pairing rule is read
     from the module that defines ``original``."""
     import sys
 
     from fsdp_compat.activation import logger
-    from fsdp_compat.policies import resolve_policy
 
-    if not fsdp_plan or not resolve_policy(policy).analyzed:
+    if not fsdp_plan or not policy.analyzed:
         return fsdp_plan
     is_pair = getattr(sys.modules.get(original.__module__), "is_norm_and_head_pair", _never_pair)
     fixed, changes = fix_fsdp_plan(model, fsdp_plan, is_pair)
@@ -144,7 +145,7 @@ def _fixed(model: Any, fsdp_plan: dict[str, str], original: Callable[..., Any], 
     return fixed
 
 
-def make_apply_fully_sharded_data_parallelism(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def make_apply_fully_sharded_data_parallelism(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """transformers' ``apply_fully_sharded_data_parallelism(model, mesh_manager, fsdp_plan, ep_plan)`` applied to
     the plan :func:`fix_fsdp_plan` returns (``legacy`` & co: the plan as it is)."""
 
@@ -162,7 +163,7 @@ def make_apply_fully_sharded_data_parallelism(original: Callable[..., Any], poli
     return apply_fully_sharded_data_parallelism
 
 
-def make_expand_fsdp_plan(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def make_expand_fsdp_plan(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """transformers 5.16 - 5.22 ``expand_fsdp_plan(model, fsdp_plan) -> (reshard targets, no-reshard targets)``,
     each a list of ``(path, module)``, with the targets of :func:`fix_fsdp_plan` (a fixed entry may change list)."""
 

@@ -40,6 +40,7 @@ from typing import Any
 from packaging.version import Version
 
 from fsdp_compat.activation import Release, Replacement, declare, logger
+from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._selection import configured_wrap_list, layer_class_names
@@ -93,7 +94,7 @@ def _fsdp_module_context(utils: Any) -> Callable[[Any], AbstractContextManager[A
     return context if callable(context) else (lambda _module: nullcontext())
 
 
-def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[..., None]:
+def make_apply_fsdp2(original: Callable[..., Any], policy: Policy) -> Callable[..., None]:
     """verl 0.4-0.7.0 ``apply_fsdp2(model, fsdp_kwargs, config)`` with the groups of fsdp-compat's plan.
 
     Keeps the release's contract: the config's wrap-list override (a str or set is accepted), ``fsdp_kwargs`` on
@@ -104,7 +105,6 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
     @functools.wraps(original)
     def apply_fsdp2(model: Any, fsdp_kwargs: Any, config: Any) -> None:
         from fsdp_compat.plan import plan_wrap
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         from ._selection import outdated_fallback, unmatched
@@ -118,7 +118,7 @@ def make_apply_fsdp2(original: Callable[..., Any], policy: str) -> Callable[...,
         outdated = unmatched(model, names)
         if outdated is not None:  # verl trains with such a list (embeddings only): so do we, with a warning
             plan: Any = "wrap list matched nothing"
-            for module in outdated_fallback("verl", model, outdated, resolve_policy(policy).analyzed):
+            for module in outdated_fallback("verl", model, outdated, policy.analyzed):
                 with context(module):
                     fully_shard(module, **kwargs)
         else:
@@ -166,7 +166,7 @@ def _accepted(function: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str,
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) -> Callable[..., list[Any]]:
+def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: Policy) -> Callable[..., list[Any]]:
     """verl >= 0.7.1 ``_select_fsdp2_wrap_targets(model, cls_names, **kw)``: verl's own selection minus what is unsafe.
 
     Under ``auto`` the candidates are exactly the release's (verl's own function runs: layer classes, untied
@@ -181,14 +181,13 @@ def make_select_fsdp2_wrap_targets(original: Callable[..., Any], policy: str) ->
     def _select_fsdp2_wrap_targets(
         model: Any, fsdp_transformer_layer_cls_to_wrap: Iterable[str] | str | None = None, *args: Any, **kwargs: Any
     ) -> list[Any]:
-        from fsdp_compat.policies import resolve_policy
         from fsdp_compat.runtime import install_runtime
 
         from ._selection import keep_safe, unmatched, warn_unmatched
 
         names = layer_class_names(fsdp_transformer_layer_cls_to_wrap)
         outdated = unmatched(model, names)
-        if not resolve_policy(policy).analyzed:  # legacy & co reproduce an upstream rule as it is
+        if not policy.analyzed:  # legacy & co reproduce an upstream rule as it is
             if outdated is None:
                 from fsdp_compat.plan import select_wrap_targets
 

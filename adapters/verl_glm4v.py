@@ -27,6 +27,7 @@ from typing import Any
 from packaging.version import Version
 
 from fsdp_compat.activation import Replacement, logger
+from fsdp_compat.policies import Policy
 
 __all__ = ["GLM4V_MODULE", "REPAIRS", "make_get_input_embeds", "transformers_5", "vision_features"]
 
@@ -43,8 +44,9 @@ def _features_hook(_module: Any, _args: Any, output: Any) -> Any:
     return vision_features(output)
 
 
-def make_get_input_embeds(original: Callable[..., Any], policy: str = "auto") -> Callable[..., Any]:
-    """verl's ``_get_input_embeds(model, input_ids, ...)`` with ``model.visual`` returning its features."""
+def make_get_input_embeds(original: Callable[..., Any], policy: Policy | None = None) -> Callable[..., Any]:
+    """verl's ``_get_input_embeds(model, input_ids, ...)`` with ``model.visual`` returning its features (a repair:
+    the same under every policy)."""
 
     @functools.wraps(original)
     def _get_input_embeds(model: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,6 @@
-"""fsdp-compat: safe FSDP2 wrap plans, a run-time guard, and adapters that put them into verl, SkyRL, AReaL,
-LLaMA-Factory and transformers' native FSDP2.
+"""fsdp-compat: safe FSDP2 wrap plans, a run-time guard and mixed micro-batch alignment; adapters that put them into
+verl, SkyRL, AReaL, LLaMA-Factory, transformers' native FSDP2, accelerate, axolotl, NeMo Automodel and the
+verl-derived RL stacks; and a generic layer that gives every other FSDP2 root the run-time layer.
 
 The package imports lazily: ``import fsdp_compat`` costs almost nothing and imports no torch (not even ``typing``),
 because the ``.pth`` start-up hook imports :mod:`fsdp_compat._autoload` in every Python process of an environment.
@@ -20,6 +21,7 @@ _EXPORTS = {
     "Group": "fsdp_compat.plan",
     "RootEntry": "fsdp_compat.plan",
     "apply_fsdp2": "fsdp_compat.apply",
+    "install_runtime": "fsdp_compat.runtime",
     "audit_raw_reads": "fsdp_compat.audit",
     "RawRead": "fsdp_compat.analysis",
     "Policy": "fsdp_compat.policies",
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from fsdp_compat.policies import LayersOnly as LayersOnly
     from fsdp_compat.policies import Legacy as Legacy
     from fsdp_compat.policies import Policy as Policy
+    from fsdp_compat.runtime import install_runtime as install_runtime
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -50,7 +50,10 @@ from fsdp_compat._autoload import (
 from fsdp_compat.adapters import ADAPTERS, AdapterEntry
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Applied, Patch, Reexport, Replacement, apply, import_modules
-from fsdp_compat.policies import POLICY_NAMES
+from fsdp_compat.policies import POLICY_NAMES, Policy, resolve_policy
+
+if TYPE_CHECKING:  # loaded only when a release newer than the tested range is gated
+    from fsdp_compat.fingerprints import Verdict
 
 __all__ = [
     "ENV_AUTOLOAD",
@@ -192,6 +195,7 @@ class Adapter:
         self._state: dict[str, _State] = {}
         self._warned: set[str] = set()
         self._logged: set[str] = set()
+        self._basis: dict[str, Version] = {}  # distribution -> the tested release whose row a newer one uses
 
     # -- the declaration ---------------------------------------------------------------------------------
 
@@ -239,14 +243,16 @@ class Adapter:
 
     def plan(self, distribution: str, version: Version) -> Patch:
         """What one transaction does for this release (the table row; an adapter may refine it)."""
-        row = self.release_for(distribution, version)
+        basis = self._basis.get(distribution)
+        row = self.release_for(distribution, basis if basis is not None else version)
         if row is None:
             raise FsdpCompatError(f"{distribution} {version}: no row of the {self.key} adapter's table matches.")
         return row.patch
 
-    def policy(self) -> str:
-        """The policy the replacements use (validated)."""
-        return policy_from_env()
+    def policy(self) -> Policy:
+        """The policy the replacements use: ``FSDP_COMPAT_POLICY`` read and resolved once per transaction (an adapter's
+        replacement receives this object, not the name)."""
+        return resolve_policy(policy_from_env())
 
     def is_supported(self, distribution: str, version: Version) -> bool:
         """Whether ``version`` of ``distribution`` falls in the declared range (pre-releases included)."""
@@ -257,6 +263,24 @@ class Adapter:
             return SpecifierSet(spec).contains(version, prereleases=True)
         except InvalidSpecifier as exc:
             raise FsdpCompatError(f"the {self.key} index row: {distribution} {spec!r}: {exc}") from exc
+
+    def fingerprint_verdict(self, distribution: str, version: Version) -> Verdict | None:
+        """For a release newer than the tested range: whether what this adapter replaces is unchanged from the
+        newest tested release (:mod:`fsdp_compat.fingerprints`, loaded only here); None for any other version.
+        Never raises: a failure to judge is a difference (stand aside), never a patch."""
+        spec = self.supported.get(distribution)
+        if spec is None:
+            return None
+        from fsdp_compat import fingerprints
+
+        try:
+            newest = fingerprints.newest_tested(distribution, spec)
+            row = self.release_for(distribution, newest) if newest is not None else None
+            targets = fingerprints.targets_of(row.replacements) if row is not None else None
+            return fingerprints.judge(distribution, version, spec, targets)
+        except Exception as exc:
+            failure = f"the fingerprint check failed: {type(exc).__name__}: {exc}"
+            return fingerprints.Verdict(str(version), None, [failure])
 
     def supported_text(self) -> str:
         return "; ".join(f"{dist} {spec}" for dist, spec in self.supported.items()) or "nothing declared"
@@ -270,7 +294,7 @@ class Adapter:
     def patched(self) -> dict[str, tuple[Version, str, str]]:
         """distribution -> (version, activated by, policy) for every distribution patched now."""
         with self._lock:
-            return {d: (s.version, s.activated_by, s.applied.policy) for d, s in self._state.items()}
+            return {d: (s.version, s.activated_by, s.applied.policy.name) for d, s in self._state.items()}
 
     def _first(self) -> _State | None:
         with self._lock:
@@ -290,7 +314,7 @@ class Adapter:
     @property
     def policy_name(self) -> str | None:
         state = self._first()
-        return state.applied.policy if state else None
+        return state.applied.policy.name if state else None
 
     def describe(self) -> list[str]:
         """One line per binding now replaced (``verl.utils.fsdp_utils.x -> fsdp-compat (policy auto)``) or repaired."""
@@ -387,6 +411,15 @@ class Adapter:
             return None
         if self.is_supported(distribution, version):
             return version
+        verdict = self.fingerprint_verdict(distribution, version)
+        if verdict is not None and verdict.unchanged:
+            self._basis[distribution] = Version(verdict.basis)
+            self._info_once(
+                f"fingerprint:{distribution}:{version}",
+                f"{distribution} {version} is newer than the tested range ({self.supported_text()}); what "
+                f"fsdp-compat replaces is unchanged from {verdict.basis} (fingerprint), patched",
+            )
+            return version
         if force_enabled():
             self._warn_once(
                 f"forced:{distribution}:{version}",
@@ -394,6 +427,15 @@ class Adapter:
                 f"({self.supported_text()}); patching anyway because {ENV_FORCE}=1.",
             )
             return version
+        if verdict is not None:
+            self._warn_once(
+                f"fingerprint:{distribution}:{version}",
+                f"{self.key} adapter: {distribution} {version} is newer than the tested range "
+                f"({self.supported_text()}) and what fsdp-compat replaces may have changed"
+                f"{f' since {verdict.basis}' if verdict.basis else ''}: {'; '.join(verdict.changes)}; nothing was "
+                f"patched (the framework runs as without fsdp-compat). Set {ENV_FORCE}=1 to patch anyway.",
+            )
+            return None
         self._warn_once(
             f"unsupported:{distribution}:{version}",
             f"{self.key} adapter: {distribution} {version} is not supported (supported: "
@@ -420,6 +462,13 @@ class Adapter:
         logger.debug("%s: patch failure", distribution, exc_info=exc)
         return False
 
+    def _info_once(self, key: str, message: str) -> None:
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        logger.info(message)
+
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
             if key in self._warned:
@@ -438,7 +487,7 @@ class Adapter:
             "patched %s %s (policy %s, activated by %s): %s",
             distribution,
             state.version,
-            state.applied.policy,
+            state.applied.policy.name,
             state.activated_by,
             "; ".join(line.split(" -> ")[0] for line in lines) or "nothing to replace",
         )

@@ -81,8 +81,29 @@ def _activation_lines() -> list[str]:
     lines.append(f"policy: {policy} ({_env(ENV_POLICY)})")
     lines.append(f"force unsupported versions: {'yes' if force_enabled() else 'no'} ({_env(ENV_FORCE)})")
     lines.append(f"log: {'quiet (INFO lines dropped)' if _autoload.quiet() else 'info'} ({_env(ENV_LOG)})")
+    lines.append(f"mixed micro-batches: {_mixed_batches_mode()} ({_env(switches.MIXED_BATCHES)})")
     lines.append(_guard_line())
+    lines.append(_generic_line())
     return lines
+
+
+def _generic_line() -> str:
+    """Whether FSDP2 roots fsdp-compat did not shard itself get its run-time layer (the generic layer)."""
+    if not automatic_activation_enabled():
+        return f"generic layer: OFF ({_env(ENV_SWITCH)})"
+    if not switches.flag(switches.GENERIC, True):
+        return f"generic layer: OFF ({_env(switches.GENERIC)})"
+    return (
+        "generic layer: on (every FSDP2 root gets the group check, the run-time guard and the mixed micro-batch "
+        f"alignment at its first forward, however fully_shard was called; {_env(switches.GENERIC)})"
+    )
+
+
+def _mixed_batches_mode() -> str:
+    try:
+        return switches.mixed_batches_mode(strict=True)
+    except Exception:
+        return "INVALID (the run refuses it)"
 
 
 def _guard_line() -> str:
@@ -93,7 +114,11 @@ def _guard_line() -> str:
         return f"run-time guard: OFF (torch is not installed; it supports {supported})"
     if not guard_supports(torch_version):
         return f"run-time guard: OFF on torch {torch_version} (it supports {supported}; FSDP2 runs without it)"
-    if not switches.flag(switches.GUARD, True):
+    try:
+        guard_on = switches.flag(switches.GUARD, True, strict=True)
+    except Exception:
+        return f"run-time guard: INVALID value ({_env(switches.GUARD)}; the run refuses it)"
+    if not guard_on:
         return f"run-time guard: OFF ({_env(switches.GUARD)}; torch {torch_version} would support it)"
     return f"run-time guard: on (torch {torch_version}, supported: {supported}; {_env(switches.GUARD)})"
 
@@ -105,6 +130,8 @@ def _distribution_line(distribution: str, spec: str, trigger: str, patched: dict
         return f"  {distribution}: not installed"
     try:
         verdict = "supported" if SpecifierSet(spec).contains(Version(raw), prereleases=True) else "NOT supported"
+        if verdict != "supported":
+            verdict = _by_fingerprint(distribution, Version(raw), spec) or verdict
     except InvalidVersion:
         verdict = "invalid version"
     line = f"  {distribution} {raw}: {verdict} (supported: {spec})"
@@ -116,6 +143,18 @@ def _distribution_line(distribution: str, spec: str, trigger: str, patched: dict
     else:
         line = f"{line}; not imported in this process"
     return "\n".join([line, *(f"    {note}" for note in _notes(distribution, raw))])
+
+
+def _by_fingerprint(distribution: str, version: Version, spec: str) -> str | None:
+    """A release newer than the tested range: patched by fingerprint or left alone, and why (read from source
+    files, nothing imported); None for any other version."""
+    from fsdp_compat import fingerprints
+
+    try:
+        verdict = fingerprints.judge(distribution, version, spec)
+    except Exception as exc:
+        return f"newer than tested, left alone: the fingerprint check failed ({type(exc).__name__}: {exc})"
+    return None if verdict is None else f"newer than tested, {verdict.describe()}"
 
 
 def _notes(distribution: str, raw: str) -> list[str]:
@@ -139,7 +178,40 @@ def _adapter_lines(key: str, entry: AdapterEntry) -> list[str]:
         lines.append("  adapter not loaded in this process")
     else:
         lines += [f"    {line}" for line in adapter.describe()]
-    return lines
+    return lines + _rebound_lines(key)
+
+
+#: Bindings other code is known to replace: adapter key -> (module, name, the module that defines the function).
+#: axolotl assigns its own ``fsdp2_prepare_model`` to ``accelerate.accelerator``: the accelerate adapter's wrapper,
+#: bound there too, is then never called (the axolotl adapter wraps axolotl's function instead).
+REBOUND = {"accelerate": ("accelerate.accelerator", "fsdp2_prepare_model", "accelerate.utils.fsdp_utils")}
+
+
+def _rebound_lines(key: str) -> list[str]:
+    """Whose function a binding of :data:`REBOUND` holds when it is not its definer's; only where that module is
+    imported already (doctor imports no framework)."""
+    if key not in REBOUND:
+        return []
+    module_name, name, definer = REBOUND[key]
+    bound = vars(sys.modules[module_name]).get(name) if module_name in sys.modules else None
+    ours = bool(getattr(bound, "__fsdp_compat__", False))
+    inner = getattr(bound, "__wrapped__", bound) if ours else bound
+    if inner is None or getattr(inner, "__module__", None) == definer:
+        return []
+    where = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
+    if ours:
+        return [f"  {module_name}.{name} was replaced by someone else: it holds {where}, wrapped by fsdp-compat"]
+    return [
+        f"  {module_name}.{name} was replaced by someone else: it holds {where}, not fsdp-compat's; the {key} "
+        "adapter does not run on that path"
+    ]
+
+
+def invalid_switches() -> list[tuple[str, str]]:
+    """(variable, why) for each ``FSDP_COMPAT*`` value the run would refuse or not understand."""
+    from fsdp_compat.policies import POLICY_NAMES
+
+    return switches.invalid(POLICY_NAMES)
 
 
 def report() -> str:
@@ -149,6 +221,7 @@ def report() -> str:
     lines = [
         f"fsdp-compat {__version__}",
         f"python {sys.version.split()[0]} at {sys.executable}",
+        *(f"INVALID: {why}" for _, why in invalid_switches()),
         *_activation_lines(),
     ]
     for key, entry in ADAPTERS.items():

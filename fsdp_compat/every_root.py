@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_compat import switches
+from fsdp_compat.policies import Policy
 
 __all__ = ["ROOT_PRE_FORWARD", "generic_enabled", "make_root_pre_forward"]
 
@@ -47,7 +48,7 @@ def generic_enabled() -> bool:
     return switches.flag(switches.GENERIC, True)
 
 
-def make_root_pre_forward(original: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def make_root_pre_forward(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """FSDP2's ``FSDPState._root_pre_forward(self, module, args, kwargs)``, unchanged, plus the run-time layer on
     the root the first time a state runs it as the root."""
 
@@ -63,7 +64,7 @@ def make_root_pre_forward(original: Callable[..., Any], policy: str) -> Callable
     return _root_pre_forward
 
 
-def _on_new_root(state: Any, result: Any, policy: str) -> Any:
+def _on_new_root(state: Any, result: Any, policy: Policy) -> Any:
     """Install the run-time layer on ``state``'s module and run its pre-hooks for this forward; never raises."""
     try:
         if not generic_enabled():
@@ -90,13 +91,11 @@ def _on_new_root(state: Any, result: Any, policy: str) -> Any:
         return result
 
 
-def _check(root: Any, policy: str) -> bool:
+def _check(root: Any, policy: Policy) -> bool:
     """Check the groups below ``root`` and log the verdict (rank 0); returns whether the guard must be armed."""
     from fsdp_compat.activation import logger
     from fsdp_compat.group_check import evidence, is_rank_zero, sharded_groups, unsafe_groups
-    from fsdp_compat.policies import resolve_policy
-
-    if not resolve_policy(policy).analyzed:
+    if not policy.analyzed:
         return True  # legacy & co: no analysis, so nothing is ruled out
     name = type(root).__name__.removeprefix("FSDP")
     unsafe = unsafe_groups("fully_shard", root, evidence("fully_shard", root))

@@ -21,6 +21,7 @@ from typing import Any
 
 from fsdp_compat._autoload import hooks, warn
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.policies import Policy
 
 __all__ = ["Applied", "Patch", "Reexport", "Replacement", "apply"]
 
@@ -29,7 +30,8 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Replacement:
-    """``module.name`` becomes ``make(original, policy)``; modules in ``importers`` that bound it by name too.
+    """``module.name`` becomes ``make(original, policy)`` (the :class:`~fsdp_compat.policies.Policy`, resolved once
+    per transaction); modules in ``importers`` that bound it by name too.
 
     ``optional``: skip it when the name does not exist (a selector only some releases ship). ``unless``: skip it
     when ``module`` has this attribute (a release that ships a better hook point, replaced by another row).
@@ -136,7 +138,7 @@ class Applied:
     """A transaction in effect. ``restore`` undoes it exactly; ``lines`` says what it changed."""
 
     patch: Patch
-    policy: str
+    policy: Policy
     bound: list[_Bound] = field(default_factory=list)
     repaired: list[tuple[ModuleType, Reexport, Any]] = field(default_factory=list)
     pending: list[Replacement] = field(default_factory=list)  # deferred, their module not imported yet
@@ -205,14 +207,15 @@ class Applied:
                         namespace = _namespace(module) or {}
                         if namespace.get(rec.replacement.name, _MISSING) is rec.new:
                             holders.append(module)
-                out += [f"{m.__name__}.{rec.replacement.name} -> fsdp-compat (policy {self.policy})" for m in holders]
+                policy = self.policy.name
+                out += [f"{m.__name__}.{rec.replacement.name} -> fsdp-compat (policy {policy})" for m in holders]
             out += [f"{rep.target} (deferred: replaced when {rep.module} is imported)" for rep in self.pending]
             for module, rep, _ in self.repaired:
                 out.append(f"{module.__name__}.{rep.name} re-exported from {rep.source} ({rep.why or 'repair'})")
             return out
 
 
-def _replace(rep: Replacement, module: ModuleType, policy: str) -> _Bound:
+def _replace(rep: Replacement, module: ModuleType, policy: Policy) -> _Bound:
     if _namespace(module) is None:
         raise FsdpCompatError(f"{rep.module} is not an importable module; cannot replace {rep.target}.")
     holder, attr, original = _slot(module, rep.name)
@@ -272,7 +275,7 @@ def import_modules(patch: Patch) -> None:
             importlib.import_module(name)
 
 
-def apply(patch: Patch, policy: str) -> Applied:
+def apply(patch: Patch, policy: Policy) -> Applied:
     """Apply every replacement and repair of ``patch``, or none: a failure restores what was done and re-raises.
 
     The modules must be imported (:func:`import_modules`); the caller holds its own lock.

@@ -28,6 +28,7 @@ from packaging.version import Version
 from fsdp_compat import _autoload
 from fsdp_compat.activation import Adapter, Replacement
 from fsdp_compat.patching import Patch
+from fsdp_compat.policies import Auto, Policy
 
 _counter = itertools.count()
 
@@ -129,10 +130,10 @@ class FakeAdapter(Adapter):
     def version_of(self, distribution: str) -> Version | None:
         return None if self.fake_version is None else Version(self.fake_version)
 
-    def policy(self) -> str:
-        return "auto"
+    def policy(self) -> Policy:
+        return Auto()
 
-    def _make(self, original: Any, policy: str) -> Any:
+    def _make(self, original: Any, policy: Policy) -> Any:
         self.make_calls += 1
         time.sleep(self.make_delay)  # widens the window in which racing patch() calls could double-apply
         return tag(original)
@@ -183,7 +184,9 @@ class FakeAdapter(Adapter):
     def version_of(self, distribution):
         return Version("1.0")
     def policy(self):
-        return "auto"
+        from fsdp_compat.policies import Auto
+
+        return Auto()
 
 ADAPTER = FakeAdapter()
 patch, unpatch, is_patched = ADAPTER.patch, ADAPTER.unpatch, ADAPTER.is_patched

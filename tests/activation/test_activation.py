@@ -34,6 +34,7 @@ from fsdp_compat.activation import (
     policy_from_env,
 )
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.policies import Auto, Policy
 
 # the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
@@ -254,8 +255,8 @@ class TwoDistributions(Adapter):
     def version_of(self, distribution: str) -> Version | None:
         return Version("1.0")
 
-    def policy(self) -> str:
-        return "auto"
+    def policy(self) -> Policy:
+        return Auto()
 
 
 @pytest.mark.parametrize("order", ["a-first", "b-first"])

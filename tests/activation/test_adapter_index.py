@@ -39,19 +39,25 @@ def test_index_is_the_one_home_of_triggers_and_ranges() -> None:
 
 #: every release fsdp-compat was run or read on (oracle: the tox envs, docs/stacks.md), and one outside each range
 KNOWN_RELEASES = {
+    ("fsdp2", "torch"): ["2.8.0", "2.10.0", "2.11.0", "2.13.0+cpu", "2.14.1", "2.15.0"],
     ("verl", "verl"): ["0.4.0", "0.4.1", "0.5.0", "0.6.0", "0.6.1", "0.7.0", "0.7.1", "0.8.0", "0.9.0", "0.9.1"],
     ("skyrl", "skyrl-train"): ["0.1.0", "0.2.0", "0.3.0", "0.3.1"],
     ("skyrl", "skyrl"): ["0.1.0", "0.2.0", "0.3.0", "0.4.0"],
-    ("transformers", "transformers"): ["5.16.1", "5.17.0", "5.20.0", "5.22.0", "5.23.0", "5.24.0"],
+    ("transformers", "transformers"): ["5.16.1", "5.17.0", "5.20.0", "5.22.0", "5.23.0", "5.24.0", "5.25.0"],
     ("areal", "areal"): ["1.0.4"],
     ("llamafactory", "llamafactory"): ["0.9.5"],
     ("accelerate", "accelerate"): ["1.15.0", "1.16.0"],
     ("nemo_automodel", "nemo-automodel"): ["0.7.0"],
+    ("axolotl", "axolotl"): ["0.19.0", "0.21.0"],
+    ("verl_copies", "lmms-engine"): ["0.1.4"],
+    ("verl_copies", "siirl"): ["0.2.0"],
+    ("verl_copies", "trinity-rft"): ["0.6.0"],
 }
 
 
 OUTSIDE = {"verl": "0.3.1", "skyrl-train": "0.4.0", "skyrl": "0.0.1", "transformers": "5.10.4", "areal": "1.0.3",
-           "accelerate": "1.14.0", "nemo-automodel": "0.8.0"}
+           "accelerate": "1.14.0", "nemo-automodel": "0.8.0", "torch": "2.7.1", "axolotl": "0.18.0",
+           "lmms-engine": "0.1.5", "siirl": "0.2.1", "trinity-rft": "0.7.0"}
 
 
 @pytest.mark.parametrize(("key", "distribution"), list(KNOWN_RELEASES))

@@ -19,6 +19,7 @@ from fsdp_compat.adapters import areal, llamafactory, skyrl, transformers, verl
 from fsdp_compat.adapters._selection import DeferredShards, foreign_arguments, make_deferring_fully_shard
 from torch import nn
 
+from fsdp_compat.policies import Auto, resolve_policy
 from fsdp_compat.testing.zoo import build_model
 
 RAW_READ = "model.visual.embeddings.position_embedding"
@@ -85,7 +86,8 @@ class _Engine:
         return model
 
 
-def _engine(glm4v: nn.Module, policy: str) -> tuple[Any, Recorder, _Engine]:
+def _engine(glm4v: nn.Module, name: str) -> tuple[Any, Recorder, _Engine]:
+    policy = resolve_policy(name)
     recorder = Recorder(glm4v)
     ns = types.SimpleNamespace(fully_shard=make_deferring_fully_shard(recorder, policy))
     engine = _Engine(ns)
@@ -137,14 +139,14 @@ def test_llamafactory_legacy_runs_the_engines_calls_as_made(glm4v: nn.Module) ->
 
 def test_fully_shard_outside_a_prepare_model_goes_straight_through(glm4v: nn.Module) -> None:
     recorder = Recorder(glm4v)
-    fully_shard = make_deferring_fully_shard(recorder, "auto")
+    fully_shard = make_deferring_fully_shard(recorder, Auto())
     assert fully_shard(glm4v.model.visual.embeddings.position_embedding, mesh="m") is not None
     assert recorder.calls == [(RAW_READ, (), {"mesh": "m"})]
 
 
 def test_deferred_calls_without_a_root_call_are_applied_when_the_scope_closes(glm4v: nn.Module) -> None:
     recorder = Recorder(glm4v)
-    fully_shard = make_deferring_fully_shard(recorder, "auto")
+    fully_shard = make_deferring_fully_shard(recorder, Auto())
     with DeferredShards("fw", glm4v) as calls:
         fully_shard(glm4v.model.visual, 1)
         fully_shard(glm4v.model.visual.blocks[0], 2)
@@ -157,7 +159,7 @@ def test_deferred_calls_without_a_root_call_are_applied_when_the_scope_closes(gl
 def test_a_group_call_keeps_every_call_as_made(glm4v: nn.Module) -> None:
     """``fully_shard([a, b])`` (no release read does it) cannot be judged per module: nothing is changed."""
     shard: list[Any] = []
-    fully_shard = make_deferring_fully_shard(lambda module, *a, **k: shard.append(module), "auto")
+    fully_shard = make_deferring_fully_shard(lambda module, *a, **k: shard.append(module), Auto())
     table = glm4v.model.visual.embeddings.position_embedding
     with DeferredShards("fw", glm4v):
         fully_shard(table)
@@ -167,7 +169,7 @@ def test_a_group_call_keeps_every_call_as_made(glm4v: nn.Module) -> None:
 
 def test_an_exception_in_the_framework_applies_nothing(glm4v: nn.Module) -> None:
     recorder = Recorder(glm4v)
-    fully_shard = make_deferring_fully_shard(recorder, "auto")
+    fully_shard = make_deferring_fully_shard(recorder, Auto())
     with pytest.raises(RuntimeError, match="framework failed"), DeferredShards("fw", glm4v):
         fully_shard(glm4v.model.visual.blocks[0])
         raise RuntimeError("framework failed")
@@ -194,7 +196,7 @@ class Original:
 def test_skyrl_apply_fsdp2_hands_unknown_arguments_to_skyrls_own(glm4v: nn.Module, installed: list[Any]) -> None:
     """``apply_fsdp2(model, fsdp_kwargs, config, *extra)``: the replacement used to drop ``extra``."""
     original = Original()
-    replacement = skyrl.make_apply_fsdp2(original, "auto")
+    replacement = skyrl.make_apply_fsdp2(original, Auto())
     assert replacement(glm4v, {"mesh": "m"}, None, "extra", future=True) is None
     assert original.received == [((glm4v, {"mesh": "m"}, None, "extra"), {"future": True})]
     assert installed == [glm4v]
@@ -205,7 +207,7 @@ def test_skyrl_selector_keeps_skyrls_own_candidates_with_unknown_arguments(
 ) -> None:
     table, block = glm4v.model.visual.embeddings.position_embedding, glm4v.model.visual.blocks[0]
     original = Original([table, block])
-    replacement = skyrl.make_modules_to_wrap_fsdp2(original, "auto")
+    replacement = skyrl.make_modules_to_wrap_fsdp2(original, Auto())
     assert replacement(glm4v, ["Glm4vVisionBlock"], future=1) == [block]  # the raw-read table stays in the root
     assert original.received == [((glm4v, ["Glm4vVisionBlock"]), {"future": 1})]
     assert installed == [glm4v]
@@ -217,7 +219,7 @@ def test_areal_apply_fsdp2_hands_unknown_arguments_to_areals_own(
 ) -> None:
     """``apply_fsdp2(model, fsdp_kwargs, wrap_policy)`` used to raise TypeError on anything more."""
     original = Original()
-    replacement = areal.make_apply_fsdp2(original, policy)
+    replacement = areal.make_apply_fsdp2(original, resolve_policy(policy))
     assert replacement(glm4v, {"mesh": "m"}, None, "extra", future=True) is None
     assert original.received == [((glm4v, {"mesh": "m"}, None, "extra"), {"future": True})]
 
@@ -227,11 +229,11 @@ def test_areal_apply_fsdp2_hands_unknown_arguments_to_areals_own(
 
 def test_transformers_replacements_pass_unknown_arguments_on(glm4v: nn.Module, installed: list[Any]) -> None:
     apply = Original("applied")
-    replacement = transformers.make_apply_fully_sharded_data_parallelism(apply, "auto")
+    replacement = transformers.make_apply_fully_sharded_data_parallelism(apply, Auto())
     assert replacement(glm4v, "mesh-manager", {}, "ep-plan", future=1) == "applied"
     assert apply.received == [((glm4v, "mesh-manager", {}, "ep-plan"), {"future": 1})]
     expand = Original(([], []))
-    replacement = transformers.make_expand_fsdp_plan(expand, "auto")
+    replacement = transformers.make_expand_fsdp_plan(expand, Auto())
     assert replacement(glm4v, {}, "extra", future=1) == ([], [])
     assert expand.received == [((glm4v, {}, "extra"), {"future": 1})]
 
@@ -246,7 +248,7 @@ def test_verl_selector_passes_use_fused_kernels_and_positionals_on(glm4v: nn.Mod
         received.append((names, extra, use_fused_kernels))
         return [table, layer]
 
-    replacement = verl.make_select_fsdp2_wrap_targets(selector, "auto")
+    replacement = verl.make_select_fsdp2_wrap_targets(selector, Auto())
     assert replacement(glm4v, ["Glm4vTextDecoderLayer"], "extra", use_fused_kernels=False, unknown=1) == [layer]
     assert received == [(["Glm4vTextDecoderLayer"], "extra", False)]
 

@@ -32,6 +32,7 @@ from fsdp_compat.activation import (
 )
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Patch
+from fsdp_compat.policies import Auto
 
 # the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
@@ -269,10 +270,10 @@ def test_a_row_condition_is_checked_when_the_row_is_applied(monkeypatch: pytest.
     conditional = Replacement(module.__name__, "fn", lambda original, _policy: lambda: "new", when=lambda: holds["now"])
     always = Replacement(module.__name__, "other", lambda original, _policy: original, optional=True)
     with pytest.raises(FsdpCompatError, match="nothing of this release matches"):
-        apply(Patch((conditional, always)), "auto")  # condition false: left out, and nothing else applies
+        apply(Patch((conditional, always)), Auto())  # condition false: left out, and nothing else applies
     assert module.fn() == "original"
     holds["now"] = True
-    applied = apply(Patch((conditional,)), "auto")
+    applied = apply(Patch((conditional,)), Auto())
     try:
         assert module.fn() == "new"
     finally:

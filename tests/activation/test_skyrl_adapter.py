@@ -31,6 +31,7 @@ from torch import nn
 
 from fsdp_compat.activation import Adapter, FsdpCompatWarning
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.policies import Auto
 
 RELEASES = {
     "skyrl-train": ["0.1.0", "0.2.0", "0.3.0", "0.3.1"],
@@ -308,13 +309,14 @@ def test_replacement_keeps_skyrl_signature_and_passes_config_override(monkeypatc
     import fsdp_compat.apply
 
     monkeypatch.setattr(fsdp_compat.apply, "apply_fsdp2", fake_core)
-    replacement = make_apply_fsdp2(_upstream_apply, "auto")
+    replacement = make_apply_fsdp2(_upstream_apply, Auto())
     kwargs = {"mesh": "m", "mp_policy": "mp", "offload_policy": None, "reshard_after_forward": True}
     config = _FSDPConfig(wrap_policy={"transformer_layer_cls_to_wrap": ["_DecoderLayer"]})
     model = _TinyVLM()
     assert replacement(model, kwargs, config) is None  # SkyRL's apply_fsdp2 returns nothing
     assert replacement(model, kwargs, {"wrap_policy": {}}) is None
-    assert calls == [(model, kwargs, ["_DecoderLayer"], "auto"), (model, kwargs, None, "auto")]
+    named = [(*call[:3], call[3].name) for call in calls]  # the adapter hands the resolved Policy on
+    assert named == [(model, kwargs, ["_DecoderLayer"], "auto"), (model, kwargs, None, "auto")]
 
 
 def test_module_api() -> None:

@@ -234,7 +234,9 @@ def test_pth_hook_activates_an_adapter_when_its_trigger_is_imported(venv: Path, 
                 def version_of(self, distribution):
                     return Version("1.0")
                 def policy(self):
-                    return "auto"
+                    from fsdp_compat.policies import Auto
+
+                    return Auto()
 
             ADAPTER = HookAdapter()
             activate_on_import(ADAPTER)

@@ -31,6 +31,8 @@ import pytest
 from _support import require_framework
 from packaging.version import Version
 
+from fsdp_compat.policies import Auto
+
 require_framework("accelerate", lambda: importlib.import_module("accelerate.utils.fsdp_utils"))
 
 from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
@@ -210,7 +212,7 @@ def test_replacement_passes_every_argument_and_the_result_through() -> None:
         calls.append((accelerator, model, extra, new_keyword))
         return model
 
-    replacement = make_fsdp2_prepare_model(fsdp2_prepare_model, "auto")
+    replacement = make_fsdp2_prepare_model(fsdp2_prepare_model, Auto())
     model, accelerator = torch.nn.Linear(2, 2), object()
     assert replacement(accelerator, model, "x", new_keyword=3) is model
     assert replacement(accelerator, model=model) is model

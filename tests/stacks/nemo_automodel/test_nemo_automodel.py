@@ -27,6 +27,8 @@ import pytest
 from _support import require_framework
 from packaging.version import Version
 
+from fsdp_compat.policies import Auto
+
 PARALLELIZER = "nemo_automodel.components.distributed.parallelizer"
 
 require_framework("nemo_automodel", lambda: importlib.import_module(PARALLELIZER))
@@ -212,7 +214,7 @@ def test_replacement_passes_every_argument_and_the_result_through() -> None:
             replacement(child, mesh, *rest, new_keyword=new_keyword)
         return "result"
 
-    replacement = make_apply_fsdp2_sharding_recursively(apply_fsdp2_sharding_recursively, "auto")
+    replacement = make_apply_fsdp2_sharding_recursively(apply_fsdp2_sharding_recursively, Auto())
     model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
     mesh = object()
     assert replacement(model, mesh, "mp", "offload", new_keyword=3) == "result"

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from _support import require_framework
 
+from fsdp_compat.policies import Auto, Legacy
+
 transformers = importlib.import_module("transformers")
 # transformers < 5.16 (the core env) has no native FSDP2
 fsdp_module = require_framework(
@@ -190,8 +192,8 @@ def test_legacy_policy_passes_the_plan_through():
         return model
 
     original.__module__ = fsdp_module.__name__
-    adapter.make_apply_fully_sharded_data_parallelism(original, "legacy")(model, None, plan, {})
-    adapter.make_apply_fully_sharded_data_parallelism(original, "auto")(model, None, plan, {})
+    adapter.make_apply_fully_sharded_data_parallelism(original, Legacy())(model, None, plan, {})
+    adapter.make_apply_fully_sharded_data_parallelism(original, Auto())(model, None, plan, {})
     assert seen[0] == plan
     assert "model.language_model.embed_tokens" not in seen[1]
 
@@ -223,6 +225,6 @@ def test_expand_fsdp_plan_row_filters_the_target_lists():
         )
 
     expand_fsdp_plan.__module__ = fsdp_module.__name__
-    reshard, keep = adapter.make_expand_fsdp_plan(expand_fsdp_plan, "auto")(model, plan)
+    reshard, keep = adapter.make_expand_fsdp_plan(expand_fsdp_plan, Auto())(model, plan)
     assert [name for name, _ in reshard] == ["model.language_model.layers.0"]
     assert [name for name, _ in keep] == ["model.language_model.norm"]

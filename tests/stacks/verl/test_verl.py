@@ -334,8 +334,8 @@ def test_selector_semantics() -> None:
         for zoo in ["glm4v", "qwen2", "glm4v-tied"]:
             model = build_model(zoo)
             layers = list(model._no_split_modules)
-            legacy = make_select_fsdp2_wrap_targets(original, "legacy")(model, set(layers))
-            auto = make_select_fsdp2_wrap_targets(original, "auto")
+            legacy = make_select_fsdp2_wrap_targets(original, Legacy())(model, set(layers))
+            auto = make_select_fsdp2_wrap_targets(original, Auto())
             out[zoo] = {
                 "verl": names(model, original(model, layers)),
                 "legacy": names(model, legacy),
@@ -374,7 +374,7 @@ def test_selector_keeps_by_name_peft_wrappers_where_safe() -> None:
         model = get_peft_model(build_model("qwen2"), LoraConfig(
             r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]))
         paths = {id(m): p for p, m in model.named_modules()}
-        select = make_select_fsdp2_wrap_targets(utils._select_fsdp2_wrap_targets, "auto")
+        select = make_select_fsdp2_wrap_targets(utils._select_fsdp2_wrap_targets, Auto())
         print(json.dumps({
             "verl": [paths[id(m)] for m in utils._select_fsdp2_wrap_targets(model, ["Qwen2DecoderLayer"])],
             "auto": [paths[id(m)] for m in select(model, ["Qwen2DecoderLayer"])],
