@@ -10,7 +10,7 @@ import importlib
 import sys
 import time
 
-NAMES = ("skeletons", "startup", "policies", "guard", "mixed_batches", "matrix")
+NAMES = ("skeletons", "startup", "policies", "guard", "mixed_batches", "exchange", "matrix")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 from fsdp_compat.analysis.evidence import Analysis, RawRead
 from fsdp_compat.analysis.facts import forward_function, function_facts, runs_own_code, source_function, torch_code
 from fsdp_compat.analysis.names import (
+    DICT_VIEWS,
     HOOK_REGISTRATION,
     HOOKED_CALLS,
     MODULE_ITERATORS,
@@ -484,6 +485,8 @@ class _Analyzer:
             return []
         if res.kind == "method":
             module = res.obj
+            if isinstance(module, (nn.ModuleDict, nn.ParameterDict)) and res.attr in DICT_VIEWS:
+                return _dict_view(module, res.attr)
             if defined_by_nn_module(type(module), res.attr):
                 return self._nn_module_method(module, res.attr, positional, keywords, site)
             method = inspect.getattr_static(module, res.attr, None)
@@ -710,3 +713,15 @@ def _mentions(facts: FunctionFacts, name: str | None) -> bool:
         if any(ref.root == name for arg in use.args for ref in arg.refs):
             return True
     return False
+
+
+def _dict_view(container: nn.ModuleDict | nn.ParameterDict, name: str) -> list[Any]:
+    """``ModuleDict.values()`` / ``.items()`` / ``.keys()`` (and ParameterDict's): its own entries, with their names,
+    as iterating ``children()`` is (``for layer in self.layers.values()``, torchtitan's decoder loop); its
+    implementation reads ``self._modules``, which would otherwise count as reflecting on everything below it."""
+    entries = list(container.items())
+    if name == "keys":
+        return []
+    if name == "items":
+        return [Seq(Seq((key, value)) for key, value in entries)]
+    return [Seq(value for _, value in entries)]

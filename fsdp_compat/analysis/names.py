@@ -41,6 +41,8 @@ HOOK_REGISTRATION = frozenset(
         "register_full_backward_pre_hook", "register_backward_hook",
     }
 )
+# ModuleDict / ParameterDict views that hand out their own entries (modelled as iterating them, like children()).
+DICT_VIEWS = frozenset({"values", "items", "keys"})
 # nn.Module methods that hand out Parameters (modelled as iteration over them, with their real names).
 PARAM_ITERATORS = frozenset({"parameters", "named_parameters"})
 # nn.Module methods that look a submodule or Parameter up by a dotted name with getattr (a constant name resolves).

@@ -38,12 +38,14 @@ ALL_CASES = ["generate", "logprobs", "generate", "sample", "eos", "visual", "fea
 def _launch(model: str, plan: str, variants: list[str], cases: list[str], *, mode: str = "sync",
             timeout_s: float = 240.0, **cfg: Any) -> RunResult:  # fmt: skip
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # "-bare" plans are plain FSDP2 without fsdp-compat: its automatic activation (the generic layer too) is off
+    bare = {"FSDP_COMPAT": "off"} if plan.endswith("-bare") else {}
     return run_ranks(
         "_generation_ranks:generation_ranks",
         {"model": model, "plan": plan, "variants": variants, "cases": cases, "device": DEVICE, **cfg},
         world_size=len(variants),
         timeout_s=timeout_s,
-        env={"PYTHONPATH": os.pathsep.join([str(HERE), *inherited]), "FSDP_COMPAT_MIXED_BATCHES": mode},
+        env={"PYTHONPATH": os.pathsep.join([str(HERE), *inherited]), "FSDP_COMPAT_MIXED_BATCHES": mode, **bare},
     )
 
 
