@@ -14,7 +14,8 @@ checks the method and the state fields it reads). Wrapping the public ``fully_sh
 module that bound it before the wrap, and could not tell the root from an inner group at wrap time.
 
 **At a new root** (once per root, rank-independent, so every rank decides the same):
-1. nothing, if an adapter's applier already installed the run-time layer on it (nothing is installed twice);
+1. nothing, if an adapter's applier already installed the run-time layer on it (nothing is installed twice), or if
+   the root is the only group (unsharded for the whole forward: nothing to check, guard or align);
 2. the groups somebody made are checked against the static evidence of the model's code
    (:mod:`fsdp_compat.group_check`; read after sharding: FSDP2's own hooks are its window, not a read). One
    WARNING (rank 0) per group that can be read while sharded, naming the read and the fix;
@@ -75,9 +76,12 @@ def _on_new_root(state: Any, result: Any, policy: Policy) -> Any:
         root = modules[0]
         from fsdp_compat.runtime import install_runtime, runtime_installed
 
-        if runtime_installed(root):
-            return result
-        armed = _check(root, policy)
+        if runtime_installed(root) or not _has_inner_groups(root):
+            return result  # installed already; or one group for the whole model: nothing is ever sharded in forward
+        from fsdp_compat.guard import guard_of
+
+        # A caller that installed the guard itself (armed) has made its choice: only what is missing is added.
+        armed = True if guard_of(root) is not None else _check(root, policy)
         before = set(root._forward_pre_hooks)
         install_runtime(root, armed=armed)
         args, kwargs = result
@@ -89,6 +93,14 @@ def _on_new_root(state: Any, result: Any, policy: Policy) -> Any:
             f"{exc}); FSDP2 runs as without fsdp-compat",
         )
         return result
+
+
+def _has_inner_groups(root: Any) -> bool:
+    """Whether ``fully_shard`` was applied below the root too (a root group alone is unsharded for the whole
+    forward: no read can find it sharded and every rank all-gathers it the same way)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in root.modules() if m is not root)
 
 
 def _check(root: Any, policy: Policy) -> bool:
@@ -103,11 +115,17 @@ def _check(root: Any, policy: Policy) -> bool:
         return True
     if is_rank_zero():
         if not unsafe:
+            guard = (
+                "run-time guard installed (its per-op check off: no read to catch)"
+                if switches.flag(switches.GUARD, True)
+                else f"run-time guard off ({switches.GUARD})"
+            )
             logger.info(
-                "generic layer: %s: its %d FSDP2 groups pass fsdp-compat's safety check; run-time guard installed "
-                "(its per-op check off: no read to catch) with mixed micro-batch alignment",
+                "generic layer: %s: its %d FSDP2 groups pass fsdp-compat's safety check; %s, mixed micro-batch "
+                "alignment installed",
                 name,
                 len(sharded_groups(root)),
+                guard,
             )
         for group, why in unsafe:
             logger.warning(

@@ -157,7 +157,9 @@ class GuardEvent:
 
 
 class _GuardMode(TorchFunctionMode):
-    """Per op: is any tensor argument a sharded FSDP2 parameter? One C-level set test per argument list."""
+    """Per op: is any tensor argument a sharded FSDP2 parameter? One C-level set test per argument list. Not inside a
+    ``torch.compile``d region: Dynamo traces the mode, and the check would break its graph (a raw read of a sharded
+    parameter in compiled code fails there as without the guard)."""
 
     def __init__(self, guard: Guard) -> None:
         super().__init__()
@@ -167,6 +169,8 @@ class _GuardMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if torch.compiler.is_compiling():  # Dynamo traces the modes on the stack: ids of traced tensors cannot be
+            return func(*args, **kwargs) if kwargs else func(*args)  # compared (a graph break); no check in there
         keys = self.keys
         if keys.isdisjoint(map(id, args)) and (not kwargs or keys.isdisjoint(map(id, kwargs.values()))):
             # tensor-list arguments, positional or by keyword: torch.cat([...]), torch.cat(tensors=[...])

@@ -143,7 +143,8 @@ def test_guard_survives_activation_checkpointing(model: str, wrap: str, op: str)
     _assert_crash(_run(model, wrap, OFF, steps=1), op)
     result = _run(model, wrap, ON)
     _assert_exact(result)
-    assert all(p["unshards"] == 2 and len(p["log"]) == 1 for p in _probes(result))
+    for p in _probes(result):
+        assert p["unshards"] == 2 and len(p["log"]) == 1, p
 
 
 @pytest.mark.parametrize(
@@ -188,7 +189,8 @@ def test_guard_installed_before_fully_shard_finds_the_groups_at_the_first_forwar
     _assert_crash(_run("glm4v", "legacy_selector", OFF, steps=1), "aten.grid_sampler_2d")
     result = _run("glm4v", "legacy_selector", ON)
     _assert_exact(result)
-    assert all(p["unshards"] == 2 and len(p["log"]) == 1 for p in _probes(result))
+    for p in _probes(result):
+        assert p["unshards"] == 2 and len(p["log"]) == 1, p
 
 
 def test_guard_reshards_after_a_no_grad_forward() -> None:
