@@ -3,7 +3,8 @@
 ``python -m benchmarks exchange [--worlds 2,4,8,16,32] [--iters 200] [--warmup 20] [--columns 1]
 [--forwards 3] [--threads 1] [--device cpu|cuda] [--timeout 240]``
 
-Why: every forward of a sharded vision-language model makes one exchange (``fsdp_compat.mixed_batches._exchange``:
+Why: every forward of a sharded vision-language model makes one exchange
+(``fsdp_compat.runtime.exchange.exchange``:
 an all-reduce of a world x columns int64 table in host memory, on a gloo group of its own). At 2 ranks it is lost in
 the step's noise; this measures how it grows with the world size and states it as a fraction of a forward.
 
@@ -52,7 +53,7 @@ def _rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_compat.mixed_batches import _exchange
+    from fsdp_compat.runtime.exchange import exchange as _exchange
     from fsdp_compat.testing.parity import init_group
 
     dev = init_group(cfg, rank)

@@ -124,7 +124,7 @@ def _bench_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
     from benchmarks.policies import TRACKER, _install_instrumentation, _param_groups
     from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.guard import ENV_GUARD, guard_of
+    from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     world = cfg["world_size"]
@@ -270,7 +270,7 @@ def _cost_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.guard import ENV_GUARD, guard_of
+    from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
 
     world = cfg["world_size"]
     torch.set_num_threads(cfg["threads"] or max(1, (os.cpu_count() or 1) // world))

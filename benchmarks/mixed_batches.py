@@ -45,7 +45,7 @@ def _rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.mixed_batches import install_mixed_batches, mixed_batches_of
+    from fsdp_compat.runtime.mixed_batches import install_mixed_batches, mixed_batches_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg["world_size"]))
@@ -92,7 +92,7 @@ def _exchange_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Non
     import torch
     import torch.distributed as dist
 
-    from fsdp_compat.mixed_batches import _exchange
+    from fsdp_compat.runtime.exchange import exchange as _exchange
     from fsdp_compat.testing.parity import init_group
 
     dev = init_group(cfg, rank)

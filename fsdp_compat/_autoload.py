@@ -24,7 +24,7 @@ import _thread
 import sys
 
 import fsdp_compat.switches as switches
-from fsdp_compat.adapters import ADAPTERS
+from fsdp_compat.adapter_index import ADAPTERS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is not loaded at interpreter start; keep it that way

@@ -47,7 +47,7 @@ from fsdp_compat._autoload import (
     automatic_activation_enabled,
     force_enabled,
 )
-from fsdp_compat.adapters import ADAPTERS, AdapterEntry
+from fsdp_compat.adapter_index import ADAPTERS, AdapterEntry
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Applied, Patch, Reexport, Replacement, apply, import_modules
 from fsdp_compat.policies import POLICY_NAMES, Policy, resolve_policy

@@ -22,8 +22,8 @@ def apply_fsdp2(
 
     Every group gets ``fsdp_kwargs`` plus its own overrides (e.g. ``reshard_after_forward=False``). Groups are applied
     children first, whatever the policy, because ``fully_shard(parent)`` before ``fully_shard(child)`` fails. The
-    run-time guard (:mod:`fsdp_compat.guard`, ``FSDP_COMPAT_GUARD=off`` disables it) is installed on ``model``: a
-    read the plan did not foresee unshards its group instead of crashing.
+    run-time layer (:func:`fsdp_compat.runtime.install_runtime`: the guard, ``FSDP_COMPAT_GUARD=off`` disables it, and
+    the mixed micro-batch alignment) is installed on ``model``. A bad switch value raises before anything is sharded.
     """
     from torch.distributed.fsdp import fully_shard
 

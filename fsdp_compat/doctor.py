@@ -28,8 +28,8 @@ from fsdp_compat._autoload import (
     automatic_activation_enabled,
     force_enabled,
 )
-from fsdp_compat.adapters import ADAPTERS, AdapterEntry
-from fsdp_compat.torch_versions import GUARD_MIN_TORCH, guard_supports, installed_torch
+from fsdp_compat.adapter_index import ADAPTERS, AdapterEntry
+from fsdp_compat.runtime.torch_versions import GUARD_MIN_TORCH, guard_supports, installed_torch
 
 PTH_NAME = "fsdp_compat.pth"
 

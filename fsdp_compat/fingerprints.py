@@ -399,7 +399,7 @@ def _installed_rows(names: Sequence[str]) -> list[tuple[str, str, list[Target]]]
     import os
     from importlib import metadata
 
-    from fsdp_compat.adapters import ADAPTERS
+    from fsdp_compat.adapter_index import ADAPTERS
 
     rows = []
     for entry in list(ADAPTERS.values()):

@@ -1,5 +1,5 @@
 """Checking FSDP2 groups that somebody else applied already: a framework fsdp-compat cannot narrow, or any caller
-of ``fully_shard`` (the generic layer, :mod:`fsdp_compat.every_root`).
+of ``fully_shard`` (the generic layer, :mod:`fsdp_compat.runtime.every_root`).
 
 accelerate imports ``fully_shard`` inside its function; NeMo Automodel sets FSDP2 prefetch chains on every group
 right after making it; a trainer we have no adapter for calls ``fully_shard`` by its own rule. Such groups are

@@ -2,7 +2,7 @@
 
 The invariant it guarantees (policy ``auto``): a module owns a group only if every read of its parameters that the
 static analysis sees happens while that group is unsharded. The analysis (:mod:`fsdp_compat.analysis`) counts
-whatever it cannot follow as a read, and the run-time guard (:mod:`fsdp_compat.guard`) covers reads no static
+whatever it cannot follow as a read, and the run-time guard (:mod:`fsdp_compat.runtime.guard`) covers reads no static
 analysis can see. Every decision carries a reason;
 the finished plan is checked against the evidence once more before it is returned, so a planning bug degrades to
 "kept in the root", never to a crash. A plan is a plain value: printable, comparable, testable without a process

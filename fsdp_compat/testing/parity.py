@@ -328,7 +328,7 @@ def runtime_counters(model: Any) -> dict[str, Any]:
     """What fsdp-compat's runtime did on this rank: the mixed-batch alignment's dummy vision- and audio-tower calls
     and count exchanges (``mixed_batches``), and the run-time guard's unshards (``guard_unshards``, None without a
     guard)."""
-    from fsdp_compat.mixed_batches import mixed_batches_of
+    from fsdp_compat.runtime.mixed_batches import mixed_batches_of
 
     installed = mixed_batches_of(model)
     guard = _guard_of(model)
@@ -344,7 +344,7 @@ def runtime_counters(model: Any) -> dict[str, Any]:
 
 
 def _guard_of(model: Any) -> Any:
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     return guard_of(model)
 

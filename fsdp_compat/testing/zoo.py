@@ -279,7 +279,7 @@ def _glm4v_moe() -> nn.Module:
 def _torch_release() -> tuple[int, int]:
     import torch
 
-    from fsdp_compat.torch_versions import release
+    from fsdp_compat.runtime.torch_versions import release
 
     return release(torch.__version__) or (0, 0)
 

@@ -19,9 +19,9 @@ from _fakes import _run
 from fsdp_compat import _autoload, switches
 from fsdp_compat.activation import policy_from_env
 from fsdp_compat.errors import FsdpCompatError
-from fsdp_compat.guard import guard_enabled
-from fsdp_compat.mixed_batches import mixed_batches_mode
 from fsdp_compat.policies import POLICY_NAMES
+from fsdp_compat.runtime.guard import guard_enabled
+from fsdp_compat.runtime.mixed_batches import mixed_batches_mode
 
 _clean_env = _fakes._clean_env
 

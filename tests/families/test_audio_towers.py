@@ -6,7 +6,7 @@ so the ranks fall out of step as they do on image|text ranks. Shown first, unali
 ranks that differ in audio, in images or in both trains at exact parity (0.0, equal losses): a dummy clip runs on the
 rank without audio, before its vision tower call (the forward's own order), once per step. The whole step too:
 ``generate``, a log-prob pass and a training step with audio and images on one rank and neither on the other equal
-one process (the rank routines of tests/core/test_generation.py).
+one process (the rank routines of tests/runtime/test_generation.py).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _run(name: str, variants: tuple[str, str], mode: str) -> RunResult:
 
 def test_the_omni_families_are_the_ones_with_an_audio_row() -> None:
     """The tiny models with audio batches are the families whose row aligns an audio tower."""
-    from fsdp_compat.vlm_families import FAMILIES
+    from fsdp_compat.runtime.vlm_families import FAMILIES
 
     assert OMNI == ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
     assert sorted(f.name for f in FAMILIES if f.audio is not None) == ["qwen2.5-omni-thinker", "qwen3-omni-moe-thinker"]

@@ -34,7 +34,7 @@ from lab.families import (
     zoo_model,
 )
 
-from fsdp_compat.mixed_batches import FAMILIES
+from fsdp_compat.runtime.mixed_batches import FAMILIES
 from fsdp_compat.testing.launch import RunResult, current_wording
 from fsdp_compat.testing.parity import PARITY_TOL, run_training
 

@@ -87,7 +87,7 @@ def train_own_rule(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Non
     extra["grad_diff"], extra["param_diff"] = grads.abs, params.abs
     extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
     extra.update(runtime_counters(model))
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     guard = guard_of(model)
     extra["guard_armed"] = None if guard is None else guard.armed

@@ -1,6 +1,6 @@
 """The vision-language families of the installed transformers, found from its own registries (test support).
 
-Why: the mixed micro-batch table (:data:`fsdp_compat.mixed_batches.FAMILIES`) must cover every VLM whose vision
+Why: the mixed micro-batch table (:data:`fsdp_compat.runtime.mixed_batches.FAMILIES`) must cover every VLM whose vision
 tower is trained next to its text model; a list typed by hand would miss the families a new transformers adds.
 Every ``image-text-to-text`` model type (``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``) is read with its inner
 model class (``MODEL_MAPPING_NAMES``, else the outer class itself); the attributes its ``__init__`` assigns say
@@ -105,8 +105,8 @@ STATUSES = ("trains", "row, not run", "named error", "not covered", "needs image
 
 
 def row_of(found: DiscoveredVlm) -> Any:
-    """The family's row in :data:`fsdp_compat.mixed_batches.FAMILIES` (by inner class), or None."""
-    from fsdp_compat.mixed_batches import FAMILIES
+    """The family's row in :data:`fsdp_compat.runtime.mixed_batches.FAMILIES` (by inner class), or None."""
+    from fsdp_compat.runtime.mixed_batches import FAMILIES
 
     return next((family for family in FAMILIES if found.inner in family.classes), None)
 

@@ -199,8 +199,8 @@ def legacy_selector(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     framework calls ``fully_shard`` on each target and on the root itself."""
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_compat.guard import install_guard
     from fsdp_compat.plan import select_wrap_targets
+    from fsdp_compat.runtime.guard import install_guard
 
     _record(model)
     targets = select_wrap_targets(model, policy="legacy")
@@ -284,7 +284,7 @@ def _record(model: nn.Module) -> None:
 
 def probe() -> dict[str, Any]:
     """What the guard did on this rank, the log lines, the all-gather count and a digest of the final weights."""
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
     from fsdp_compat.testing.parity import full_tensor
 
     model = _MODELS[-1]
@@ -311,7 +311,7 @@ def probe_no_grad() -> dict[str, Any]:
     read and reshards when that forward ends, since no backward will come; the groups it touched are sharded after."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     model = _MODELS[-1]
     guard = guard_of(model)
@@ -321,7 +321,7 @@ def probe_no_grad() -> dict[str, Any]:
     with torch.no_grad():
         loss = float(model(**batch).loss)
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    from fsdp_compat.guard import _param_groups
+    from fsdp_compat.runtime.guard import _param_groups
 
     groups = [g for state in states for g in _param_groups(state)]
     return {
@@ -335,7 +335,7 @@ def probe_no_grad() -> dict[str, Any]:
 def probe_reinstall() -> dict[str, Any]:
     """Remove the guard, install a fresh one, train one more step: the new guard still finds the groups, unshards
     at the read and has FSDP2 reduce-scatter every gradient (each parameter gets its sharded ``.grad``)."""
-    from fsdp_compat.guard import guard_of, install_guard
+    from fsdp_compat.runtime.guard import guard_of, install_guard
 
     model = _MODELS[-1]
     old = guard_of(model)
@@ -355,7 +355,7 @@ def probe_reinstall() -> dict[str, Any]:
 
 
 def _root_groups(model: nn.Module) -> list[Any]:
-    from fsdp_compat.guard import _param_groups
+    from fsdp_compat.runtime.guard import _param_groups
 
     return _param_groups(model._get_fsdp_state())
 
@@ -418,7 +418,7 @@ def dp_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
     from fsdp_compat.testing.parity import loss_scale
 
     torch.set_num_threads(1)
@@ -540,7 +540,7 @@ def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from fsdp_compat.guard import _param_groups
+    from fsdp_compat.runtime.guard import _param_groups
 
     torch.set_num_threads(1)
     checks: dict[str, list[Any]] = {}
@@ -660,7 +660,7 @@ def guard_report() -> dict[str, Any]:
     own registry, with its run-time unshards and log lines. A plan that needs no guard must report ``unshards == 0``.
     ``disarmed``: guards the generic layer put on other FSDP2 roots whose groups passed its check (the harness's
     one-weight probe of FSDP2's gradient reduction is one): they watch no op."""
-    from fsdp_compat.guard import _GUARDS
+    from fsdp_compat.runtime.guard import _GUARDS
 
     installed = [g for g in list(_GUARDS.values()) if g.installed]
     guards = [g for g in installed if g.armed]

@@ -204,7 +204,7 @@ def test_replacement_passes_every_argument_and_the_result_through() -> None:
     import torch
     from fsdp_compat.adapters.accelerate import make_fsdp2_prepare_model
 
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     calls = []
 

@@ -66,7 +66,7 @@ def liger_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     except Exception as exc:  # the point of the run: where it stops
         extra["error"] = f"{type(exc).__name__}: {exc}"
     extra.update(runtime_counters(model))
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     guard = guard_of(model)
     extra["guard_armed"] = None if guard is None else guard.armed

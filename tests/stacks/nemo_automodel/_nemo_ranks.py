@@ -128,7 +128,7 @@ def raw_read_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
     from nemo_automodel.components.distributed.mesh_utils import get_fsdp_dp_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fsdp_compat.guard import guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     parallelizer = importlib.import_module(PARALLELIZER)
     model = raw_read_model()

@@ -56,7 +56,7 @@ def sft_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from fsdp_compat.mixed_batches import mixed_batches_of
+    from fsdp_compat.runtime.mixed_batches import mixed_batches_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
     gpu_type_state()

@@ -19,7 +19,7 @@ and the read, after ``FSDP_COMPAT_GUARD_AGREE_S`` seconds (60) instead of a mism
 forward then fails logs that report under its own rank.
 
 ``FSDP_COMPAT_GUARD=off`` disables it. The guard relies on FSDP2 internals (``FSDPParamGroup``, ``FSDPState``;
-``tests/guard/test_guard_contract.py`` checks each one on every torch in CI). Every call into them, wherever it is met
+``tests/runtime/test_guard_contract.py`` checks each one on every torch in CI). Every call into them, wherever it is met
 (discovery, a read, the end of a no-grad forward, the end of backward), is inside the stand-aside path: where they
 differ the guard warns once and stands aside for good, leaving FSDP2's own behaviour; it never raises into the
 user's forward or backward. A group it already holds for the current step is still handed back to FSDP2 at the end
@@ -45,8 +45,8 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
-from fsdp_compat.process_world import PerWorld, job_timeout
-from fsdp_compat.torch_versions import GUARD_MIN_TORCH, guard_supports
+from fsdp_compat.runtime.process_world import PerWorld, job_timeout
+from fsdp_compat.runtime.torch_versions import GUARD_MIN_TORCH, guard_supports
 from fsdp_compat.tree import ModuleTree
 from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
@@ -97,7 +97,7 @@ def guard_enabled() -> bool:
     return switches.flag(ENV_GUARD, True, strict=True)
 
 
-#: The oldest torch the guard supports (its one home: :mod:`fsdp_compat.torch_versions`).
+#: The oldest torch the guard supports (its one home: :mod:`fsdp_compat.runtime.torch_versions`).
 MIN_TORCH = GUARD_MIN_TORCH
 _warned_torch: list[bool] = []
 

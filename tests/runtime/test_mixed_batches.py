@@ -15,7 +15,7 @@ import pytest
 from _support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.errors import FsdpCompatError
-from fsdp_compat.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode
+from fsdp_compat.runtime.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode
 from fsdp_compat.testing.launch import RunResult, current_wording
 from fsdp_compat.testing.parity import run_training
 

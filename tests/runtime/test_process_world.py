@@ -1,4 +1,4 @@
-"""The run-time layer lives as long as its process group (``fsdp_compat.process_world``): a restart in the same
+"""The run-time layer lives as long as its process group (``fsdp_compat.runtime.process_world``): a restart in the same
 process trains exactly, as plain FSDP2 does, and fsdp-compat's own waits end at the job's timeout. Rank code:
 ``lab.restart`` (its docstring says what failed before)."""
 

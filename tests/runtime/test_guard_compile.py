@@ -83,7 +83,7 @@ def _scenario(name: str, compiled: str, mesh: Any) -> dict[str, Any]:
     from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
     import fsdp_compat
-    from fsdp_compat.guard import ENV_GUARD, guard_of
+    from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
 
     class Breaking(TorchFunctionMode):
         """The control: a per-op check Dynamo cannot trace (an explicit graph break at every op)."""

@@ -1,6 +1,6 @@
-"""The generic layer (``fsdp_compat.every_root``): a trainer fsdp-compat has no adapter for, calling ``fully_shard``
-by its own rule (``lab.every_root.own_apply_fsdp2``: verl's old rule, as lmms-engine, miles, siirl and ROLL copy
-it), with fsdp-compat merely installed (the ``.pth`` hook; the job never imports fsdp-compat).
+"""The generic layer (``fsdp_compat.runtime.every_root``): a trainer fsdp-compat has no adapter for, calling
+``fully_shard`` by its own rule (``lab.every_root.own_apply_fsdp2``: verl's old rule, as lmms-engine, miles, siirl and
+ROLL copy it), with fsdp-compat merely installed (the ``.pth`` hook; the job never imports fsdp-compat).
 
 Crash first: with ``FSDP_COMPAT=off`` (or ``FSDP_COMPAT_GENERIC=off``) tiny GLM4V dies in ``grid_sampler_2d`` (the
 vision position table's own group is read raw by its parent). With the layer on, at the root's first forward the
@@ -17,11 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _support import BREADTH, WORLD_SIZE
+from _support import WORLD_SIZE
 
 from fsdp_compat.testing.launch import RunResult, run_ranks
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+# breadth on the other torches: test_guard_contract.py runs the generic layer's image|text case on each of them
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, pytest.mark.breadth]
 
 GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default"
 MIXED = "got mixed torch.Tensor and DTensor"
@@ -91,7 +92,6 @@ def test_a_text_model_keeps_the_trainers_groups_and_a_disarmed_guard() -> None:
     assert any(SAFE in line for line in result.ranks[0].extra["log"]), result.ranks[0].extra["log"]
 
 
-@BREADTH
 def test_activation_after_the_trainer_bound_fully_shard_and_sharded_the_model() -> None:
     """No ``.pth`` hook: fsdp-compat is imported after ``fully_shard`` was bound and applied; still exact."""
     result = run("glm4v", _variants("image", "text"), {"FSDP_COMPAT_AUTOLOAD": "off"}, activate="late")

@@ -1,4 +1,4 @@
-"""Rank routine of ``tests/core/test_whole_step.py``: the whole training step on ranks with and without images.
+"""Rank routine of ``tests/runtime/test_whole_step.py``: the whole training step on ranks with and without images.
 
 Imported in each rank process as ``_whole_step_ranks:whole_step_rank`` (the test puts ``tests/core`` on the ranks'
 ``PYTHONPATH``); it needs nothing from pytest. One run executes several cases in a row on one process group, each on
@@ -201,7 +201,7 @@ def _bf16(cfg: dict[str, Any], rank: int, mesh: Any, scale: float, out: dict[str
     get the same mixed micro-batch alignment as ``auto`` (any plan needs it with image|text ranks)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fsdp_compat.mixed_batches import install_mixed_batches
+    from fsdp_compat.runtime.mixed_batches import install_mixed_batches
 
     model = build_model(cfg["model"], seed=cfg["seed"])
     per_layer, root_only = copy.deepcopy(model), copy.deepcopy(model)

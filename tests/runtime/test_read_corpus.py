@@ -38,7 +38,9 @@ READ_TARGET = {"ModuleDictKey": "tables.pos", "LateBindingClosure": "tail"}
 PATTERN_COUNT = 67
 WORLD_SIZE = 2
 
-pytestmark = pytest.mark.timeout(600)
+# breadth: 67 patterns of the mechanism test_guard.py proves case by case (the envs that rerun tests/runtime on each
+# torch a framework pins deselect it; core runs it on 2.13, the guard-torch label on 2.10, 2.14.1 and 2.15)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.breadth]
 
 
 def _key(name: str, policy: str, guard: bool) -> str:

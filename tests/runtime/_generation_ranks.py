@@ -1,4 +1,4 @@
-"""Rank routines of tests/core/test_generation.py: every forward that is not a training forward, on a sharded
+"""Rank routines of tests/runtime/test_generation.py: every forward that is not a training forward, on a sharded
 vision-language model, against an unsharded copy of the same model on the same rank.
 
 Each rank builds the zoo model, keeps a deep copy as its one-process reference, shards the model (``cfg["plan"]``)
@@ -61,7 +61,7 @@ def _shard(model: nn.Module, plan: str, mesh: Any) -> None:
 
 
 def counters(model: nn.Module) -> dict[str, int]:
-    from fsdp_compat.mixed_batches import mixed_batches_of
+    from fsdp_compat.runtime.mixed_batches import mixed_batches_of
 
     installed = mixed_batches_of(model)
     names = ("exchanges", "dummy_calls", "audio_dummy_calls", "outside_calls", "decode_steps")
@@ -177,7 +177,7 @@ def case_visual(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def _outside(ctx: dict[str, Any], call: Any) -> dict[str, Any]:
-    from fsdp_compat.mixed_batches import _floating_tensors
+    from fsdp_compat.runtime.mixed_batches import _floating_tensors
 
     model, ref, p = ctx["model"], ctx["ref"], ctx["prompt"]
     out: dict[str, Any] = {"called": False}
@@ -256,9 +256,9 @@ class MetaTypedMesh:
 def spy_on_exchanges(record: dict[str, Any]) -> Iterator[None]:
     """Every mixed-batch exchange runs under a :class:`DeviceSpy` (and with ``meta`` as the default device, so a
     tensor made without a device would be a meta tensor); ``dist.all_reduce`` records the backend of its group."""
-    import fsdp_compat.mixed_batches as mb
+    import fsdp_compat.runtime.exchange as wire
 
-    real_exchange, real_all_reduce = mb._exchange, dist.all_reduce
+    real_exchange, real_all_reduce = wire.exchange, dist.all_reduce
     record.update(devices=[], backends=[], exchanges=0, ops=0)
 
     def all_reduce(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
@@ -279,11 +279,11 @@ def spy_on_exchanges(record: dict[str, Any]) -> Iterator[None]:
         record["ops"] += spy.ops
         return counts
 
-    mb._exchange = exchange
+    wire.exchange = exchange
     try:
         yield
     finally:
-        mb._exchange = real_exchange
+        wire.exchange = real_exchange
 
 
 def device_exchange_control(mesh: Any, value: int) -> list[str]:
@@ -325,7 +325,7 @@ def generation_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> N
     record: dict[str, Any] = {}
     spying = cfg.get("meta_mesh") and contextlib.ExitStack()
     if spying:  # every exchange sees a mesh that says "meta": no tensor of it may leave the CPU
-        import fsdp_compat.mixed_batches as mb
+        import fsdp_compat.runtime.mixed_batches as mb
 
         real_mesh_of = mb._mesh_of
         mb._mesh_of = lambda *modules: MetaTypedMesh(real_mesh_of(*modules))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from _support import BREADTH, DEVICE, WORLD_SIZE
 
-from fsdp_compat.guard import ENV_AGREE_S, ENV_GUARD, guard_enabled, guard_of, install_guard
+from fsdp_compat.runtime.guard import ENV_AGREE_S, ENV_GUARD, guard_enabled, guard_of, install_guard
 from fsdp_compat.testing.launch import RunResult
 from fsdp_compat.testing.parity import run_training
 
@@ -300,7 +300,7 @@ def test_a_read_on_one_rank_only_is_a_named_error_on_every_rank() -> None:
     assert not result.ok and len(result.ranks) == 2
     zero, one = result.ranks
     exception = zero.extra.get("exception", "")
-    assert exception.startswith("fsdp_compat.guard.GuardReadMismatch: "), zero.error
+    assert exception.startswith("fsdp_compat.runtime.guard.GuardReadMismatch: "), zero.error
     assert "rank 0 read blocks.1.lin.weight at " in exception and "guard_models.py:" in exception, exception
     assert "rank(s) 1 did not make this read within 3s" in exception, exception
     assert any(line in exception for line in zero.extra["log"]), zero.extra["log"]
@@ -312,7 +312,7 @@ def test_a_read_on_one_rank_only_is_a_named_error_on_every_rank() -> None:
 
 def test_the_guard_stands_aside_on_a_torch_older_than_it_supports(monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """The guard runs on every torch fsdp-compat supports (>= 2.8: the guard envs run tests/guard on 2.8, 2.10,
+    """The guard runs on every torch fsdp-compat supports (>= 2.8: the guard envs run tests/runtime on 2.8, 2.10,
     2.11, 2.13, 2.14.1 and 2.15). On an older one it is not installed, with one warning per process, and FSDP2 runs
     as without it."""
     import torch

@@ -5,7 +5,7 @@ Why a table: a rank whose micro-batch has no image must still run its tower's co
 tower accepts; what that input is depends on the tower kind, not on the training stack. Each row names the inner
 model classes (the ones holding the tower and the text model), the attributes of both, the pixel arguments of the
 forward (one tower call each) and the dummy builder. Rows are grouped by tower kind; a new family of a known kind is
-one line. Used by :mod:`fsdp_compat.mixed_batches`; imports torch only.
+one line. Used by :mod:`fsdp_compat.runtime.mixed_batches`; imports torch only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Which torch releases the run-time guard supports: one home, readable without importing torch.
 
 ``fsdp-compat doctor`` reports whether the guard is active from the installed torch's metadata (it imports no
-torch); :mod:`fsdp_compat.guard` asks the same question of the imported torch. Imports only the standard library.
+torch); :mod:`fsdp_compat.runtime.guard` asks the same question of the imported torch. Imports only the
+standard library.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from importlib import metadata
 __all__ = ["GUARD_MIN_TORCH", "guard_supports", "installed_torch", "release"]
 
 #: The oldest torch the run-time guard supports: the oldest fsdp-compat supports (``torch>=2.8``). Its FSDP2
-#: internals pass ``tests/guard/test_guard_contract.py`` on every torch the guard envs run (2.8, 2.10, 2.11, 2.13,
+#: internals pass ``tests/runtime/test_guard_contract.py`` on every torch the guard envs run (2.8, 2.10, 2.11, 2.13,
 #: 2.14.1, 2.15); on an older torch the guard stands aside with one warning.
 GUARD_MIN_TORCH = (2, 8)
 

@@ -78,7 +78,7 @@ def _on_new_root(state: Any, result: Any, policy: Policy) -> Any:
 
         if runtime_installed(root) or not _has_inner_groups(root):
             return result  # installed already; or one group for the whole model: nothing is ever sharded in forward
-        from fsdp_compat.guard import guard_of
+        from fsdp_compat.runtime.guard import guard_of
 
         # A caller that installed the guard itself (armed) has made its choice: only what is missing is added.
         armed = True if guard_of(root) is not None else _check(root, policy)

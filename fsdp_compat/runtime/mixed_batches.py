@@ -35,7 +35,7 @@ is a decode step on every rank (transformers drops vision inputs there), so no r
 exchange is made; ``synced_gpus`` defaults to True on a model sharded across ranks (transformers' own rule for
 FSDP-managed modules), so ranks that stop at different lengths keep running forwards together.
 
-Families are one table (:data:`FAMILIES`, :mod:`fsdp_compat.vlm_families`): the inner model classes that hold a
+Families are one table (:data:`FAMILIES`, :mod:`fsdp_compat.runtime.vlm_families`): the inner model classes that hold a
 vision tower and a text model, the vision inputs they take, and the dummy builder of their tower kind (a patch grid,
 a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A row may name an audio encoder too (the Qwen
 omni thinkers): its calls are a second count in the same exchange, and its dummies run where the forward runs its
@@ -65,8 +65,9 @@ from torch import nn
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
-from fsdp_compat.process_world import PerWorld, job_timeout
-from fsdp_compat.vlm_families import (
+from fsdp_compat.runtime import exchange as wire
+from fsdp_compat.runtime.exchange import column as _column
+from fsdp_compat.runtime.vlm_families import (
     FAMILIES,
     VisionFamily,
     fixed_inputs,
@@ -220,48 +221,6 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
     if mesh is None:
         return tuple(range(dist.get_world_size()))
     return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
-
-
-# ------------------------------------------------------------------------------------------------------ exchange
-
-_HOST_GROUPS: PerWorld[dict[tuple[int, ...], Any]] = PerWorld(dict)
-
-
-def _host_group(ranks: tuple[int, ...]) -> Any:
-    """A gloo process group over ``ranks``, made once per process group (:mod:`fsdp_compat.process_world`: a new
-    default group after a restart gets new ones) at the first exchange, with the job's timeout. ``new_group`` is
-    itself collective: every rank of ``ranks`` makes its first exchange at the same point of the same forward (or
-    tower call outside it), after the root's unshard, so no rank waits in it while another waits in an all-gather.
-    Local synchronisation: ranks outside ``ranks`` (another data-parallel replica's sub-mesh) need not take part."""
-    import torch.distributed as dist
-
-    groups = _HOST_GROUPS.get()
-    group = groups.get(ranks)
-    if group is None:
-        timeout = job_timeout()
-        extra = {} if timeout is None else {"timeout": timeout}
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True, **extra)
-        groups[ranks] = group
-    return group
-
-
-def _exchange(ranks: tuple[int, ...], values: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
-    """Every rank's ``values`` (global rank -> values; one value per aligned tower): one all-reduce of an int64 table
-    in host memory on a gloo group over ``ranks``. The counts are host values, so nothing goes to a device: no
-    device-to-host sync on an NCCL mesh, which would stall the CPU that issues FSDP2's prefetches ahead of the GPU."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or len(ranks) < 2:
-        return {0: values}
-    table = torch.zeros(len(ranks), len(values), dtype=torch.int64, device="cpu")
-    table[ranks.index(dist.get_rank())] = torch.tensor(values, dtype=torch.int64, device="cpu")
-    dist.all_reduce(table, group=_host_group(ranks))
-    return {rank: tuple(row) for rank, row in zip(ranks, table.tolist(), strict=True)}
-
-
-def _column(counts: dict[int, tuple[int, ...]], index: int = 0) -> dict[int, int]:
-    """One tower's counts (column ``index``: 0 the vision tower, 1 the audio tower) of an exchange."""
-    return {rank: row[index] for rank, row in counts.items()}
 
 
 _OUTSIDE = -1  # exchanged by a rank that is calling the tower outside the model's forward
@@ -424,7 +383,7 @@ class MixedBatches:
         without an aligned audio tower exchanges only the vision column; a tower call outside the forward announces
         only the vision column). Every exchange of one model has the same length, wherever it is made."""
         self.exchanges += 1
-        return _exchange(self._ranks, (values + (0,) * self._columns)[: self._columns])
+        return wire.exchange(self._ranks, (values + (0,) * self._columns)[: self._columns])
 
     # ------------------------------------------------------------------------------------------- forward window
 
@@ -545,7 +504,7 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 class _KnownFamily(MixedBatches):
     """A table family: count the tower calls, exchange counts, top up with dummies before the text model. A row
-    with an :class:`~fsdp_compat.vlm_families.AudioTower` gets the same for its audio encoder, in the same exchange
+    with an :class:`~.vlm_families.AudioTower` gets the same for its audio encoder, in the same exchange
     (a second column): its dummies run where the forward runs its audio, before the first vision tower call."""
 
     def __init__(self, root: nn.Module, inner: nn.Module, path: str, family: VisionFamily, mode: str) -> None:
@@ -825,9 +784,9 @@ class _UnknownFamily(MixedBatches):
             f"{'/'.join(self.pixel_args)} in this forward of {self.root_class} while rank(s) "
             f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) is sharded by FSDP2, so the ranks' "
             "collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat has no dummy input "
-            f"for this model (it has one for {len(FAMILIES)} families: fsdp_compat.vlm_families.FAMILIES; "
+            f"for this model (it has one for {len(FAMILIES)} families: fsdp_compat.runtime.vlm_families.FAMILIES; "
             "fsdp-compat's docs/families.md says why the others have none). Fix: give every micro-batch vision "
             "input, or run the tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its "
             "output to the input embeddings (as verl's VLM forwards do), or add a row for "
-            f"{self.root_class} to fsdp_compat.vlm_families.FAMILIES."
+            f"{self.root_class} to fsdp_compat.runtime.vlm_families.FAMILIES."
         )

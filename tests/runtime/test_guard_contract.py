@@ -1,7 +1,7 @@
 """The FSDP2 internals the run-time guard relies on, checked on the torch under test, and its stand-aside path.
 
-``fsdp_compat.guard`` uses private FSDP2 API (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``) that moves between
-torch releases. The first test exercises each one the way the guard does, on 2 gloo ranks, and fails naming the
+``fsdp_compat.runtime.guard`` uses private FSDP2 API (``FSDPState``, ``FSDPParamGroup``, ``FSDPParam``) that moves
+between torch releases. The first test exercises each one the way the guard does, on 2 gloo ranks, and fails naming the
 internal that no longer exists or behaves differently (e.g. a group with ``post_forward_mesh_info=None`` must still
 be unsharded after its forward). The others force the stand-aside path (an internal hidden from the guard) and
 show training continues exactly as without the guard (0.0 against the mean-loss twin, each rank its own batch),
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from _support import WORLD_SIZE
 
-from fsdp_compat.guard import ENV_GUARD
+from fsdp_compat.runtime.guard import ENV_GUARD
 from fsdp_compat.testing.launch import run_ranks
 
 MODELS = "lab.guard_models"
@@ -66,7 +66,7 @@ def test_a_missing_internal_stands_aside_and_training_continues_as_without_the_g
 def test_the_generic_layers_hook_point_is_where_it_assumes() -> None:
     """``FSDPState._root_pre_forward(self, module, args, kwargs)`` exists, is called through ``self`` (a class lookup
     at every call, so the replacement reaches every root) and decides the root (``_is_root`` None before, True
-    after): what ``fsdp_compat.every_root`` relies on, on this torch."""
+    after): what ``fsdp_compat.runtime.every_root`` relies on, on this torch."""
     import inspect
 
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -80,7 +80,7 @@ def test_the_generic_layers_hook_point_is_where_it_assumes() -> None:
 def test_the_generic_layer_trains_an_unseen_trainers_glm4v_exactly_on_image_text_ranks() -> None:
     """A trainer's own ``fully_shard`` rule on GLM4V (its vision position table in a group of its own), image|text
     ranks, fsdp-compat merely installed: the generic layer's guard and alignment make it exact (0.0) on this torch
-    (``tests/core/test_every_root.py`` has the crash-first cases)."""
+    (``tests/runtime/test_every_root.py`` has the crash-first cases)."""
     kinds = ["image", "text"]
     run = run_ranks(
         "lab.every_root:own_trainer_rank",
