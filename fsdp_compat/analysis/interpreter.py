@@ -26,6 +26,7 @@ from fsdp_compat.analysis.names import (
     HOOKED_CALLS,
     MODULE_ITERATORS,
     PARAM_ITERATORS,
+    RUNTIME_HOOK_MARK,
     SCALARS,
     Step,
 )
@@ -280,7 +281,7 @@ class _Analyzer:
     def _hooks(self, module: nn.Module, path: str) -> None:
         hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
         for hook in hooks:
-            if getattr(hook, "__fsdp_compat_guard__", False) or _is_fsdp2_hook(hook):
+            if getattr(hook, RUNTIME_HOOK_MARK, False) or _is_fsdp2_hook(hook):
                 continue  # fsdp-compat's own run-time layer, or FSDP2's own hooks (a sharded model's window)
             # Hooks registered before fully_shard run inside the module's window (FSDP2 prepends its pre-hook and
             # appends its post-hook), so the module's own parameters are unsharded there.

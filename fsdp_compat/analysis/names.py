@@ -27,6 +27,8 @@ MODULE_GETTERS = frozenset({"get_input_embeddings", "get_output_embeddings", "ge
 INERT_CALLS = frozenset({"isinstance", "issubclass", "hasattr", "id", "type", "len", "callable"})
 # Builtins that hand back (elements of) their argument when iterated.
 ITER_WRAPPERS = frozenset({"enumerate", "zip", "reversed", "list", "tuple", "iter", "sorted"})
+# fsdp-compat's own run-time hooks carry this attribute: they read no parameter, so the analysis skips them.
+RUNTIME_HOOK_MARK = "__fsdp_compat_guard__"
 # Calling a module through these runs its hooks (FSDP2 unshards there); calling ``.forward()`` directly does not.
 HOOKED_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
 # Attributes that expose a module's registry: touching them reaches everything below it.

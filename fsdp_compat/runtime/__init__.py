@@ -23,14 +23,27 @@ tower crash and the mixed-batch mismatch are FSDP2's, under every plan. Importin
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["check_runtime_switches", "install_runtime", "runtime_installed"]
+__all__ = ["check_runtime_switches", "install_runtime", "marked", "runtime_installed"]
 
 _INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # type: ignore[name-defined]
+
+
+def marked(hook: Any) -> Any:
+    """``hook`` as a hook of the run-time layer: it reads no parameter, so the static analysis skips it (a partial, so
+    the mark is on this registration and on nothing else)."""
+    import functools
+
+    from fsdp_compat.analysis.names import RUNTIME_HOOK_MARK
+
+    hook = functools.partial(hook)
+    setattr(hook, RUNTIME_HOOK_MARK, True)
+    return hook
 
 
 def install_runtime(model: nn.Module, *, armed: bool = True) -> None:

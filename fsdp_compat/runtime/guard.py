@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.process_world import PerWorld, job_timeout
 from fsdp_compat.runtime.torch_versions import GUARD_MIN_TORCH, guard_supports
 from fsdp_compat.tree import ModuleTree
@@ -211,8 +212,8 @@ class Guard:
         self._agreed_keys: list[str] = []  # this rank's store keys of the previous forward (deleted at the next)
         self._reported = False  # this rank raised GuardReadMismatch itself
         self._handles = [
-            model.register_forward_pre_hook(_marked(self._pre_forward)),
-            model.register_forward_hook(_marked(self._post_forward), always_call=True),
+            model.register_forward_pre_hook(marked(self._pre_forward)),
+            model.register_forward_hook(marked(self._post_forward), always_call=True),
         ]
 
     @property
@@ -512,11 +513,6 @@ class Guard:
         return where or "?", ""
 
 
-def _marked(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """The guard's hooks read no parameter: ``__fsdp_compat_guard__`` lets the static analysis skip them."""
-    marked = functools.partial(hook)
-    marked.__fsdp_compat_guard__ = True  # type: ignore[attr-defined]
-    return marked
 
 
 def _agree_seconds() -> float:

@@ -66,6 +66,7 @@ from torch import nn
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.runtime import exchange as wire
+from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.exchange import column as _column
 from fsdp_compat.runtime.vlm_families import (
     FAMILIES,
@@ -180,9 +181,6 @@ def mixed_batches_of(model: nn.Module) -> list[MixedBatches]:
     return [m for m in _INSTALLED.get(model, ()) if m.mode != "off"]
 
 
-def _marked(hook: Callable[..., Any]) -> Callable[..., Any]:
-    hook.__func__.__fsdp_compat_guard__ = True  # type: ignore[attr-defined]  # no parameter read: analysis skips it
-    return hook
 
 
 def _forward_is_transformers(module: nn.Module) -> bool:
@@ -347,9 +345,9 @@ class MixedBatches:
         self._generating: list[int] = []  # per generate() call in flight: the root forwards it has run
         self._enclosing = _enclosing_paths(root, tower)
         self._handles: list[Any] = [
-            root.register_forward_pre_hook(_marked(self._root_pre_forward), with_kwargs=True),
-            root.register_forward_hook(_marked(self._root_post_forward), always_call=True),
-            tower.register_forward_pre_hook(_marked(self._on_tower_call), prepend=True),
+            root.register_forward_pre_hook(marked(self._root_pre_forward), with_kwargs=True),
+            root.register_forward_hook(marked(self._root_post_forward), always_call=True),
+            tower.register_forward_pre_hook(marked(self._on_tower_call), prepend=True),
         ]
         self._generate = _wrap_generate(root)
 
@@ -519,10 +517,10 @@ class _KnownFamily(MixedBatches):
         self._zero: torch.Tensor | None = None  # dummies' zero term, joining the text model's inputs_embeds
         self._device = torch.device("cpu")  # where this forward computes (its first tensor input)
         self._handles += [
-            inner.register_forward_pre_hook(_marked(self._pre_forward), with_kwargs=True),
-            inner.register_forward_hook(_marked(self._post_forward), always_call=True),
+            inner.register_forward_pre_hook(marked(self._pre_forward), with_kwargs=True),
+            inner.register_forward_hook(marked(self._post_forward), always_call=True),
             inner.get_submodule(family.text).register_forward_pre_hook(
-                _marked(self._before_text_model), with_kwargs=True
+                marked(self._before_text_model), with_kwargs=True
             ),
         ]
         audio = family.audio
@@ -532,7 +530,7 @@ class _KnownFamily(MixedBatches):
         if self._audio is not None:
             self._columns = 2
             audio_tower = inner.get_submodule(self._audio.tower)
-            self._handles.append(audio_tower.register_forward_pre_hook(_marked(self._on_audio_call)))
+            self._handles.append(audio_tower.register_forward_pre_hook(marked(self._on_audio_call)))
 
     def _own_calls(self, inputs: dict[str, Any]) -> int:
         return sum(inputs.get(pixels) is not None for pixels in self.family.inputs)

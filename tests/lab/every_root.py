@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard  # bound by name at import, as every such trainer does
 
-from fsdp_compat.testing.parity import Diff, init_group, loss_scale, reference_backward, runtime_counters
+from fsdp_compat.testing.parity import Diff, init_group, loss_scale, runtime_counters, twin_step
 from lab.observe import LogLines, fsdp_groups
 
 __all__ = ["own_apply_fsdp2", "own_trainer_rank", "train_own_rule"]
@@ -72,18 +72,9 @@ def train_own_rule(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Non
     grads, params = Diff(), Diff()  # NaN-failing
     extra["losses"], extra["reference_losses"] = [], []
     for _ in range(cfg["steps"]):
-        loss = model(**batches[rank]).loss
-        (loss * scale).backward()
-        ref_losses = reference_backward(reference, batches)
-        ref_params = dict(reference.named_parameters())
-        grads.add_grads(model, {name: p.grad for name, p in ref_params.items()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        params.add_params(model, ref_params)
-        extra["losses"].append(float(loss.detach()))
-        extra["reference_losses"].append(float(ref_losses[rank]))
+        step = twin_step(model, reference, (opt, ref_opt), batches, rank, (grads, params), scale=scale)
+        extra["losses"].append(float(step.loss.detach()))
+        extra["reference_losses"].append(float(step.ref_losses[rank]))
     extra["grad_diff"], extra["param_diff"] = grads.abs, params.abs
     extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
     extra.update(runtime_counters(model))

@@ -492,7 +492,7 @@ def hide_from_guard(spec: str) -> None:
 
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
 
-    from fsdp_compat import guard
+    from fsdp_compat.runtime import guard
 
     owners = {"FSDPParamGroup": _fsdp_param_group.FSDPParamGroup, "FSDPParam": _fsdp_param.FSDPParam,
               "FSDPState": _fsdp_state.FSDPState}

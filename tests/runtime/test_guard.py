@@ -318,7 +318,7 @@ def test_the_guard_stands_aside_on_a_torch_older_than_it_supports(monkeypatch: p
     import torch
     from torch import nn
 
-    from fsdp_compat import guard as guard_module
+    from fsdp_compat.runtime import guard as guard_module
 
     supported = ("2.8.0+cu128", "2.10.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0", "2.16.0.dev20270101")
     assert all(guard_module.torch_supported(v) for v in supported)

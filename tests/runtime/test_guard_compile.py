@@ -22,7 +22,7 @@ from fsdp_compat.testing.launch import run_ranks
 
 TIMEOUT_S = 90  # per case: 3.5-26 s each seen on this shared 2-core machine
 #: The rank routine below, as the rank processes import it (``tests/`` is on their ``PYTHONPATH``).
-BODY = "guard.test_guard_compile:compile_rank"
+BODY = "runtime.test_guard_compile:compile_rank"
 SCENARIOS = ("off", "armed", "breaking", "breaking-fullgraph")
 
 
