@@ -28,7 +28,7 @@ from fsdp_compat.policies import Policy
 
 __all__ = [
     "DeferredShards",
-    "bottom_up",
+    "children_first",
     "configured_wrap_list",
     "foreign_arguments",
     "keep_safe",
@@ -91,7 +91,7 @@ def keep_safe(framework: str, model: Any, targets: list[Any], also_unsafe: dict[
     root group and why; a text model's selection comes back unchanged."""
     why = unsafe_targets(model, targets)
     why.update(also_unsafe or {})
-    kept = bottom_up(model, [m for m in targets if id(m) not in why])
+    kept = children_first(model, [m for m in targets if id(m) not in why])
     paths = {id(m): p for p, m in model.named_modules()}
     dropped = [f"{paths.get(id(m), '?')} ({why[id(m)]})" for m in targets if id(m) in why]
     if dropped:
@@ -141,7 +141,7 @@ def warn_unmatched(framework: str, model: Any, names: list[str], kept: list[str]
     )
 
 
-def bottom_up(model: Any, targets: list[Any]) -> list[Any]:
+def children_first(model: Any, targets: list[Any]) -> list[Any]:
     """``targets`` in the framework's order, except that a module's descendants in the list move right before it
     (``fully_shard`` needs children first; verl's list can put a peft wrapper before the embedding inside it)."""
     paths = {id(m): p for p, m in model.named_modules()}
@@ -182,7 +182,7 @@ def outdated_fallback(framework: str, model: Any, outdated: list[str], analyzed:
     if analyzed:
         why = unsafe_targets(model, targets)
         targets = [m for m in targets if id(m) not in why]
-    targets = bottom_up(model, targets)
+    targets = children_first(model, targets)
     paths = {id(m): p for p, m in model.named_modules()}
     warn_unmatched(framework, model, outdated, [paths.get(id(m), "?") for m in targets])
     return targets

@@ -8,7 +8,6 @@ Safe to run anywhere: a login node, a Ray worker through ``ray.get(remote(report
 
 from __future__ import annotations
 
-import os
 import site
 import sys
 from importlib import metadata
@@ -50,9 +49,7 @@ def find_pth() -> list[Path]:
     return found
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name)
-    return f"{name} unset" if value is None else f"{name}={value}"
+_env = switches.shown
 
 
 def _activation_lines() -> list[str]:

@@ -29,6 +29,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from fsdp_compat import switches
+
 __all__ = ["DATA", "Verdict", "compute", "judge", "locate", "main", "recorded", "targets_of"]
 
 #: The recorded fingerprints: {distribution: {version: {"module:name": {"code", "signature", "importers", "watched"}}}}
@@ -396,7 +398,6 @@ def judge(
 def _installed_rows(names: Sequence[str]) -> list[tuple[str, str, list[Target]]]:
     """(distribution, version, targets of its row) for every installed, supported distribution of the index."""
     import importlib
-    import os
     from importlib import metadata
 
     from fsdp_compat.adapter_index import ADAPTERS
@@ -413,18 +414,12 @@ def _installed_rows(names: Sequence[str]) -> list[tuple[str, str, list[Target]]]
             if not SpecifierSet(spec).contains(Version(raw), prereleases=True):
                 print(f"{distribution} {raw}: outside the tested range {spec}; extend the index row first, skipped")
                 continue
-            switch = os.environ.get("FSDP_COMPAT")
-            os.environ["FSDP_COMPAT"] = "off"  # importing an adapter module must not patch anything here
             try:
-                adapter = importlib.import_module(entry.module).ADAPTER
+                with switches.switched(switches.SWITCH, "off"):  # importing an adapter module must patch nothing here
+                    adapter = importlib.import_module(entry.module).ADAPTER
             except Exception as exc:  # another adapter's module may be broken: record the rest
                 print(f"{distribution} {raw}: {entry.module} does not import ({type(exc).__name__}: {exc}), skipped")
                 continue
-            finally:
-                if switch is None:
-                    os.environ.pop("FSDP_COMPAT", None)
-                else:
-                    os.environ["FSDP_COMPAT"] = switch
             row = adapter.release_for(distribution, Version(raw))
             if row is None:
                 print(f"{distribution} {raw}: no row of {entry.module}'s table matches, skipped")

@@ -62,6 +62,31 @@ def _raw(variable: str) -> str:
     return os.environ.get(variable, "").strip()
 
 
+def shown(variable: str) -> str:
+    """``NAME=value`` or ``NAME unset``, as ``fsdp-compat doctor`` prints a switch."""
+    value = os.environ.get(variable)
+    return f"{variable} unset" if value is None else f"{variable}={value}"
+
+
+class switched:
+    """``with switched(NAME, value):`` sets a switch for the block and restores it exactly (the fingerprint recorder
+    imports adapter modules with ``FSDP_COMPAT=off``, so that importing them patches nothing)."""
+
+    def __init__(self, variable: str, value: str) -> None:
+        self.variable, self.value = variable, value
+        self.before: str | None = None
+
+    def __enter__(self) -> None:
+        self.before = os.environ.get(self.variable)
+        os.environ[self.variable] = self.value
+
+    def __exit__(self, *_: object) -> None:
+        if self.before is None:
+            os.environ.pop(self.variable, None)
+        else:
+            os.environ[self.variable] = self.before
+
+
 def _unknown(variable: str, raw: str, what: str, choices: Iterable[str], default: str, strict: bool) -> None:
     text = f"{variable}={raw!r} is not {what}; set it to one of {', '.join(choices)} or unset it for {default!r}"
     if strict:
