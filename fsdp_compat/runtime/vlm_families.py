@@ -44,7 +44,11 @@ __all__ = [
     "positioned_inputs",
     "sam_inputs",
     "sized_inputs",
+    "token_tile_inputs",
+    "strided_inputs",
     "tile_inputs",
+    "timm_inputs",
+    "timm_tile_inputs",
     "vq_inputs",
 ]
 
@@ -297,6 +301,9 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("deepseek-vl", "DeepseekVLModel", "vision_model"),
     _fixed("janus", "JanusModel", "vision_model"),
     _fixed("ovis2", "Ovis2Model"),
+    _fixed("vipllava", "VipLlavaModel"),  # its projector reads several tower layers: the dummy runs them all
+    # the SigLIP tower and the text encoder sit in the encoder of an encoder-decoder (the features join its input)
+    VisionFamily("t5gemma2", ("T5Gemma2Encoder",), ("pixel_values",), fixed_inputs, "vision_tower", "text_model"),
     VisionFamily("inkling", ("InklingModel",), ("pixel_values",), packed_patch_inputs, "vision_tower"),
     VisionFamily("deepseek-vl-hybrid", ("DeepseekVLHybridModel",), ("pixel_values",), hybrid_inputs, "vision_model"),
 )
@@ -410,6 +417,7 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
                  "vision_tower"),
     VisionFamily("step3p7", ("Step3p7Model",), ("pixel_values", "pixel_values_local"), fixed_inputs, "vision_model"),
     VisionFamily("idefics2", ("Idefics2Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
+    VisionFamily("granite4_vision", ("Granite4VisionModel",), ("pixel_values",), anyres_inputs, "vision_tower"),
 )
 
 # ------------------------------------------------------------------------------------------------- other shapes
@@ -445,10 +453,68 @@ def position_patch_inputs(config: Any, device: torch.device, dtype: torch.dtype)
     }
 
 
+def token_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero tile of one language-model token, ``(1, p m, p m, C)``, and its ``image_grid_thw`` ``[[1, 1, 1]]``
+    (Inkling 2: ``pixel_values`` hold one ``(p m, p m, C)`` tile per image token and the grid counts tokens, so one
+    token is the smallest image)."""
+    vision = config.vision_config
+    side = int(vision.patch_size) * int(vision.spatial_merge_size)
+    pixels = torch.zeros(1, side, side, _channels(vision), dtype=dtype, device=device)
+    return {"pixel_values": pixels, "image_grid_thw": torch.ones(1, 3, dtype=torch.long, device=device)}
+
+
+def strided_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image whose side is the product of the stages' ``patch_stride``, ``(1, C, s, s)`` (Florence-2's
+    DaViT: convolutional stages take any size and the projector's position table is indexed by the feature grid,
+    so one feature, a 1 x 1 grid, is the smallest image)."""
+    vision = config.vision_config
+    side = 1
+    for stride in vision.patch_stride:
+        side *= int(stride)
+    return {"pixel_values": torch.zeros(1, _channels(vision), side, side, dtype=dtype, device=device)}
+
+
 OTHER_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("fuyu", ("FuyuModel",), ("pixel_values",), flat_patch_inputs, "vision_embed_tokens", "language_model"),
     VisionFamily("gemma4-unified", ("Gemma4UnifiedModel",), dummy=position_patch_inputs, tower="embed_vision"),
     VisionFamily("emu3", ("Emu3Model",), ("pixel_values",), vq_inputs, "vqmodel.encoder", "text_model"),
+    VisionFamily("inkling2", ("Inkling2Model",), ("pixel_values",), token_tile_inputs, "vision_tower"),
+    VisionFamily("inkling2-loop", ("Inkling2LoopModel",), ("pixel_values",), token_tile_inputs, "vision_tower"),
+    # BART's encoder consumes the features (the forward calls language_model.encoder, never language_model itself)
+    VisionFamily("florence2", ("Florence2Model",), ("pixel_values",), strided_inputs, "vision_tower",
+                 "language_model.encoder"),
+)
+
+# ------------------------------------------------------------------------------------- timm towers (TimmWrapper)
+
+
+def _timm_side(vision: Any) -> int:
+    """The side of a timm tower's image: ``model_args["img_size"]``, else the config's ``image_size``, else timm's
+    own default input size for the architecture (a ViT's position table fixes it; a convolutional tower takes it)."""
+    size = (getattr(vision, "model_args", None) or {}).get("img_size") or getattr(vision, "image_size", None)
+    if size is None:
+        import timm
+
+        size = timm.models.get_pretrained_cfg(vision.architecture).input_size[-1]
+    return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+def timm_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image at a timm tower's side, ``(1, C, S, S)`` (FastVLM's FastViT, Gemma3n's MobileNetV5: the
+    config holds no ``image_size`` of transformers' kind, so :func:`_timm_side` reads timm's)."""
+    side = _timm_side(config.vision_config)
+    return {"pixel_values": torch.zeros(1, _channels(config.vision_config), side, side, dtype=dtype, device=device)}
+
+
+def timm_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One tile of one zero image, ``(1, 1, C, S, S)`` (PerceptionLM: ``get_image_features`` flattens images and
+    tiles into the timm ViT's batch)."""
+    return {"pixel_values": timm_inputs(config, device, dtype)["pixel_values"].unsqueeze(0)}
+
+
+TIMM_FAMILIES: tuple[VisionFamily, ...] = (
+    VisionFamily("perception_lm", ("PerceptionLMModel",), dummy=timm_tile_inputs, tower="vision_tower"),
+    VisionFamily("fast_vlm", ("FastVlmModel",), ("pixel_values",), timm_inputs, "vision_tower"),
 )
 
 # ------------------------------------------------------------------------------------------------------- table
@@ -460,6 +526,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     *FIXED_FAMILIES,
     *TILED_FAMILIES,
     *OTHER_FAMILIES,
+    *TIMM_FAMILIES,
 )
 
 

@@ -139,6 +139,8 @@ def test_image_and_text_ranks_crash_then_train_exactly_or_fail_by_name(found: Di
     model = zoo_model(found)
     assert model is not None
     tiny = tiny_of(found)
+    for module in getattr(tiny, "requires", ()):  # timm towers: run in their own env (lab.vlms.timm_towers)
+        pytest.importorskip(module, reason=f"{found.name} needs {module}: tox -e {tiny.env}")
     _assert_mismatch(_run(model, "off"), getattr(tiny, "unaligned", ""))
     run = _run(model, "sync")
     if family_status(found) == "needs images":  # fsdp-compat cannot name it: the text rank's own error again
