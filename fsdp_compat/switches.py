@@ -62,6 +62,12 @@ def _raw(variable: str) -> str:
     return os.environ.get(variable, "").strip()
 
 
+def text(variable: str, default: str = "") -> str:
+    """A variable's value as written (stripped), or ``default`` when unset or empty: for the testing kit's own case
+    parameters (``FSDP_COMPAT_VERL_LAYERS``, ``FSDP_COMPAT_SKYRL_CONFIG``), which take no on/off vocabulary."""
+    return _raw(variable) or default
+
+
 def shown(variable: str) -> str:
     """``NAME=value`` or ``NAME unset``, as ``fsdp-compat doctor`` prints a switch."""
     value = os.environ.get(variable)

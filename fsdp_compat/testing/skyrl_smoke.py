@@ -17,7 +17,6 @@ adapter unless named so, which is what makes the ``.pth`` row a real test of aut
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from importlib import metadata
 from types import ModuleType
@@ -26,6 +25,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from fsdp_compat import switches
 from fsdp_compat.known_limits import SKYRL_GLM4V_POLICY_RELEASES, skyrl_loads_glm4v
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
@@ -117,7 +117,7 @@ def skyrl_config(case: str | None = None) -> Any:
     """
     from omegaconf import OmegaConf
 
-    case = case or os.environ.get(ENV_CONFIG, "default")
+    case = case or switches.text(ENV_CONFIG, "default")
     layers = _CONFIG_LAYERS.get(case.removeprefix("dictconfig-"), ())
     if layers == ():
         raise ValueError(f"{ENV_CONFIG}={case!r}: expected [dictconfig-]default, explicit or text-only")

@@ -25,6 +25,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from fsdp_compat import switches
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
@@ -83,7 +84,7 @@ def call_site(version: Version | None = None) -> str:
 
 def verl_config() -> dict[str, Any]:
     """A verl ``fsdp_config`` as a plain dict: the shipped default (no wrap-list override, no prefetch)."""
-    layers = os.environ.get("FSDP_COMPAT_VERL_LAYERS")
+    layers = switches.text("FSDP_COMPAT_VERL_LAYERS") or None
     wrap_policy: dict[str, Any] = {"min_num_params": 0}
     if layers:
         wrap_policy["transformer_layer_cls_to_wrap"] = layers.split(",")
