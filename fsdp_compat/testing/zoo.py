@@ -154,8 +154,8 @@ VISION_ZOO: dict[str, ZooModel] = {
         ),
         ZooModel(
             "vipllava",
-            "VipLlavaForConditionalGeneration (CLIP tower read at two layers, Qwen2 text), untied: a vision-language "
-            "model outside fsdp-compat's family table (the named mixed-batch error).",
+            "VipLlavaForConditionalGeneration (CLIP tower read at two layers, Qwen2 text), untied: a row held to "
+            "FSDP2's own all-image distance (its all-image run is not bit-exact either).",
             only_input_embedding=False,
         ),
     )

@@ -16,6 +16,16 @@ from torch import nn
 from fsdp_compat.apply import apply_fsdp2
 
 
+def auto_outside_the_table(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
+    """``auto`` on a model whose family has no row: the row of every family the model holds is taken out of the table
+    in this rank process first (its vision-language model then stands for the families the table cannot align)."""
+    import fsdp_compat.runtime.mixed_batches as mixed_batches
+
+    names = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+    mixed_batches.FAMILIES = tuple(f for f in mixed_batches.FAMILIES if not names.intersection(f.classes))
+    return str(apply_fsdp2(model, fsdp_kwargs))
+
+
 def auto_lift_all(model: nn.Module, fsdp_kwargs: dict[str, Any]) -> str:
     """``auto`` with ``lift_min_bytes=0``: every raw-read table is lifted into a group at its reader, however
     small (on the tiny zoo models the default size threshold would keep them in the enclosing group instead)."""

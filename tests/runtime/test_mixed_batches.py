@@ -141,11 +141,12 @@ def test_always_mode_gives_the_tower_zero_gradients_on_all_text_steps() -> None:
 
 
 def test_vlm_outside_the_table_fails_on_every_rank_with_one_clear_error() -> None:
-    """VipLLaVA (CLIP tower read at two layers, no row): without alignment the collectives fall out of step; with it
-    every rank raises the same FsdpCompatError, naming the model class, the ranks and the fix, before any collective
-    is issued."""
-    _assert_mismatch(_run("vipllava", IMAGE_AND_TEXT, mode="off", timeout_s=60.0))
-    run = _run("vipllava", IMAGE_AND_TEXT)
+    """VipLLaVA with its row taken out of the table in the rank processes (``lab.wraps:auto_outside_the_table``: a
+    family the table cannot align): without alignment the collectives fall out of step; with it every rank raises the
+    same FsdpCompatError, naming the model class, the ranks and the fix, before any collective is issued."""
+    outside = "lab.wraps:auto_outside_the_table"
+    _assert_mismatch(_run("vipllava", IMAGE_AND_TEXT, mode="off", timeout_s=60.0, wrap=outside))
+    run = _run("vipllava", IMAGE_AND_TEXT, wrap=outside)
     assert not run.ok
     for r in run.ranks:
         exception = r.extra.get("exception", "")
