@@ -44,11 +44,11 @@ __all__ = [
     "positioned_inputs",
     "sam_inputs",
     "sized_inputs",
-    "token_tile_inputs",
     "strided_inputs",
     "tile_inputs",
     "timm_inputs",
     "timm_tile_inputs",
+    "token_tile_inputs",
     "vq_inputs",
 ]
 
@@ -515,6 +515,7 @@ def timm_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> d
 TIMM_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("perception_lm", ("PerceptionLMModel",), dummy=timm_tile_inputs, tower="vision_tower"),
     VisionFamily("fast_vlm", ("FastVlmModel",), ("pixel_values",), timm_inputs, "vision_tower"),
+    VisionFamily("gemma3n", ("Gemma3nModel",), ("pixel_values",), timm_inputs, "vision_tower"),  # audio: unaligned
 )
 
 # ------------------------------------------------------------------------------------------------------- table

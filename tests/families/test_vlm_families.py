@@ -11,15 +11,19 @@ failing case until it is classified:
   aborts ("Received data size doesn't match expected size"; a family whose forward cannot take a text-only
   micro-batch fails on the text rank with its own error, its tiny model's ``unaligned``); with the alignment a row
   trains at exact parity (0.0 gradients and parameters after each of 2 AdamW steps, one dummy tower call per
-  forward on the text rank), a family without a row raises the named FsdpCompatError on both ranks, and a family
+  forward on the text rank), or, where FSDP2 alone is not exact for the family (``parity="measured"``), no further
+  from one process than the family's all-image run measured in the same test (``MEASURED_FACTOR``), a family
+  without a row raises the named FsdpCompatError on both ranks, and a family
   that needs an image in every micro-batch and that fsdp-compat cannot name (``needs images``) fails on the text
   rank with its own error again.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _support import DEVICE
@@ -28,6 +32,7 @@ from lab.families import (
     counts_sentence,
     discover_vlms,
     family_status,
+    parity_of,
     row_of,
     table_markdown,
     tiny_of,
@@ -35,7 +40,7 @@ from lab.families import (
 )
 
 from fsdp_compat.runtime.mixed_batches import FAMILIES
-from fsdp_compat.testing.launch import RunResult, current_wording
+from fsdp_compat.testing.launch import RankResult, RunResult, current_wording
 from fsdp_compat.testing.parity import PARITY_TOL, run_training
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -85,12 +90,13 @@ def test_the_table_has_no_family_transformers_does_not_have() -> None:
 
 
 def test_every_row_matches_a_discovered_family() -> None:
-    inner = {f.inner for f in DISCOVERED}
-    assert all(set(family.classes) & inner for family in FAMILIES), [f.name for f in FAMILIES]
+    """By inner class, or by the submodule class that holds the tower (``row_of``: T5Gemma2's encoder)."""
+    matched = {id(row_of(f)) for f in DISCOVERED}
+    assert [f.name for f in FAMILIES if id(f) not in matched] == []
 
 
-def _run(model: str, mode: str, variants: tuple[str, str] = ("image", "text")) -> RunResult:
-    return run_training(model, AUTO, world_size=2, steps=2, device=DEVICE, timeout_s=90.0,
+def _run(model: str, mode: str, variants: tuple[str, str] = ("image", "text"), steps: int = 2) -> RunResult:
+    return run_training(model, AUTO, world_size=2, steps=steps, device=DEVICE, timeout_s=90.0,
                         variants=list(variants), env={"FSDP_COMPAT_MIXED_BATCHES": mode})  # fmt: skip
 
 
@@ -124,6 +130,45 @@ def _assert_reordered(run: RunResult, dummies: list[int]) -> None:
         assert r.losses == pytest.approx(r.extra["reference_losses"], rel=PARITY_TOL, abs=0.0)
 
 
+#: How far an aligned image|text run may be from one process, as a multiple of the family's all-image run's distance
+#: (measured in the same test). Not 1: the two runs train on different micro-batches on rank 1, so FSDP2's reordered
+#: sums round differently and AdamW's first step (about lr * g / (|g| + eps)) amplifies near-zero gradients
+#: differently (Florence-2's parameters: 1.3x). A dummy that adds error of its own (a gradient on one side only,
+#: a wrong zero, a NaN) is inf, NaN or orders of magnitude off, not a factor of a few.
+MEASURED_FACTOR = 4.0
+
+
+def _assert_no_further_than_all_image(model: str, eps_param: str = "") -> None:
+    """The aligned image|text run is no further from one process than the same family's all-image run (no dummy:
+    FSDP2's own arithmetic), within :data:`MEASURED_FACTOR`; both distances finite, every loss within it.
+    ``eps_param`` (the tiny model's ``adamw_eps_param``): both runs make one step, and where the worst parameter is
+    that one, its distance is held to AdamW's largest step (lr 1e-3) instead: one of its elements has moved by its
+    rounding times lr / eps, so a second step would compare another trajectory; its gradients are held as all."""
+    steps = 1 if eps_param else 2
+    alone = _run(model, "sync", ("image", "image"), steps)
+    alone.raise_for_error()
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in alone.ranks] == [0, 0]
+    run = _run(model, "sync", steps=steps)
+    run.raise_for_error()
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, steps]
+    bounds = {"grad": alone.max_rel_grad_diff, "param": alone.max_rel_param_diff,
+              "loss": max(_loss_distance(r) for r in alone.ranks)}  # fmt: skip
+    got = {"grad": run.max_rel_grad_diff, "param": run.max_rel_param_diff,
+           "loss": max(_loss_distance(r) for r in run.ranks)}  # fmt: skip
+    assert all(math.isfinite(v) for v in (*bounds.values(), *got.values())), (bounds, got)  # NaN fails
+    where = run.ranks[0].extra.get("worst_grad_param"), run.ranks[0].extra.get("worst_param")
+    if eps_param and where[1] == eps_param:
+        assert got.pop("param") <= 1e-3, where  # one AdamW step of lr 1e-3
+    for what, value in got.items():
+        assert value <= MEASURED_FACTOR * bounds[what], (what, value, bounds[what], where)
+
+
+def _loss_distance(rank: RankResult) -> float:
+    """A rank's worst loss difference from one process, relative as the comparator's (``|Δ| / max(1, |ref|)``)."""
+    losses, ref = rank.losses, rank.extra["reference_losses"]
+    return max((abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, ref, strict=True)), default=0.0)
+
+
 def _assert_named_error(run: RunResult, found: DiscoveredVlm) -> None:
     assert not run.ok
     for r in run.ranks:
@@ -131,7 +176,18 @@ def _assert_named_error(run: RunResult, found: DiscoveredVlm) -> None:
         assert found.outer in (r.error or "") and "Fix:" in (r.error or ""), r.error
 
 
-RUNNABLE = [f for f in DISCOVERED if zoo_model(f)]
+def _runnable(found: DiscoveredVlm) -> Any:
+    """The family as a case; one whose tiny model needs a package this env lacks (timm) is not applicable here:
+    deselected at collection (tests/conftest.py), and run by the env its tiny model names."""
+    import importlib.util
+
+    tiny = tiny_of(found)
+    missing = [m for m in getattr(tiny, "requires", ()) if importlib.util.find_spec(m) is None]
+    reason = f"{found.name} needs {', '.join(missing)}: tox -e {getattr(tiny, 'env', '')}"
+    return pytest.param(found, marks=pytest.mark.skipif(bool(missing), reason=reason))
+
+
+RUNNABLE = [_runnable(f) for f in DISCOVERED if zoo_model(f)]
 
 
 @pytest.mark.parametrize("found", RUNNABLE, ids=_ids)
@@ -139,9 +195,10 @@ def test_image_and_text_ranks_crash_then_train_exactly_or_fail_by_name(found: Di
     model = zoo_model(found)
     assert model is not None
     tiny = tiny_of(found)
-    for module in getattr(tiny, "requires", ()):  # timm towers: run in their own env (lab.vlms.timm_towers)
-        pytest.importorskip(module, reason=f"{found.name} needs {module}: tox -e {tiny.env}")
     _assert_mismatch(_run(model, "off"), getattr(tiny, "unaligned", ""))
+    if row_of(found) is not None and parity_of(found) == "measured":  # FSDP2 alone is inexact: measure it first
+        _assert_no_further_than_all_image(model, getattr(tiny, "adamw_eps_param", ""))
+        return
     run = _run(model, "sync")
     if family_status(found) == "needs images":  # fsdp-compat cannot name it: the text rank's own error again
         _assert_mismatch(run, tiny.unaligned)

@@ -39,8 +39,12 @@ class TinyVlm:
     images, one per row; ``extra(batch, variant)``: keywords the family's forward needs beside ``input_ids`` (e.g.
     ``token_type_ids``); ``source``: where the sizes come from (the tester, or the config defaults shrunk); ``note``:
     docs/families.md's note (required where the family has no row: why no dummy exists); ``parity``: ``"exact"``
-    (0.0) or ``"reordered"`` (within ``PARITY_TOL`` relative, where FSDP2 reorders a sum: the test then holds the
-    all-image run, which needs no dummy, to the same bound, and says so).
+    (0.0), ``"reordered"`` (within ``PARITY_TOL`` relative, where FSDP2 reorders a sum: the test then holds the
+    all-image run, which needs no dummy, to the same bound, and says so) or ``"measured"`` (no further off than the
+    family's all-image run, measured in the same test: where that run is not exact either); ``adamw_eps_param``: under
+    ``"measured"``, the one parameter whose parameter distance is not held to the all-image run's, because one of its
+    gradient elements is below AdamW's eps on the image|text batches (its first step, lr * g / (|g| + eps), then
+    turns that element's rounding into up to lr); its gradients are held all the same.
     """
 
     model_types: tuple[str, ...]
@@ -51,6 +55,7 @@ class TinyVlm:
     source: str = "tester"
     note: str = ""
     parity: str = "exact"
+    adamw_eps_param: str = ""
     extra: Callable[[dict[str, torch.Tensor], str], dict[str, torch.Tensor]] | None = None
     is_vlm: bool = field(default=True, init=False)
 

@@ -71,8 +71,34 @@ def _fast_vlm() -> nn.Module:
     return FastVlmForConditionalGeneration(eager(config))
 
 
+def _gemma3n() -> nn.Module:
+    from transformers import Gemma3nConfig, Gemma3nForConditionalGeneration
+
+    text = {**_TEXT, "vocab_size_per_layer_input": 128, "hidden_size": 16, "hidden_size_per_layer_input": 16,
+            "num_kv_shared_layers": 0, "layer_types": ["full_attention", "sliding_attention"], "num_attention_heads": 2,
+            "num_key_value_heads": 2, "altup_num_inputs": 2, "intermediate_size": 21, "pad_token_id": 0,
+            "hidden_activation": "gelu_pytorch_tanh", "activation_sparsity_pattern": None}  # fmt: skip
+    text.pop("hidden_act")
+    pe = {"embed_dim": 64, "img_size": (20, 20), "depth": 2, "global_pool": "", "use_post_transformer_norm": False,
+          "init_values": 0.1, "ref_feat_shape": (1, 1)}  # fmt: skip
+    vision = {"architecture": "vit_pe_core_large_patch14_336", "hidden_size": 32, "model_args": pe}
+    audio = {"input_feat_size": 32, "hidden_size": 32, "conf_num_attention_heads": 4, "conf_num_hidden_layers": 2,
+             "sscp_conv_channel_size": (16, 8), "conf_conv_kernel_size": 3, "conf_attention_chunk_size": 4,
+             "conf_attention_context_left": 5}  # fmt: skip
+    config = Gemma3nConfig(text_config=text, vision_config=vision, audio_config=audio, image_token_id=3, boi_token_id=4,
+                           eoi_token_id=5, boa_token_id=6, eoa_token_id=7, audio_token_id=8,
+                           vision_soft_tokens_per_image=4, audio_soft_tokens_per_image=4,
+                           tie_word_embeddings=False)  # fmt: skip
+    return Gemma3nForConditionalGeneration(eager(config))
+
+
 MODELS: list[TinyVlm] = [
     TimmVlm(("perception_lm",), _perception_lm, _tiles,
-            source="tester (PE ViT vit_pe_core_large_patch14_336 shrunk by model_args: 32 wide, 2 deep, 28 x 28)"),
+            source="tester's PE ViT (vit_pe_core_large_patch14_336 through model_args), 32 wide, 2 deep, "
+            "28 x 28: 2 x 2 patches of 14"),
     TimmVlm(("fast_vlm",), _fast_vlm, _images, source="tester (FastViT fastvit_mci3 of 2 stages, 16 x 16)"),
+    TimmVlm(("gemma3n",), _gemma3n, _images, image_token_id=3,
+            source="tester (its PE ViT stand-in for MobileNetV5, which timm builds at full size only; 2 text layers, "
+            "no KV sharing)",
+            note="its audio encoder (audio_tower) is not aligned: ranks must agree on having audio"),
 ]
