@@ -325,6 +325,7 @@ def test_selector_semantics() -> None:
         warnings.simplefilter("ignore")
         import verl.utils.fsdp_utils as utils
         from fsdp_compat.adapters.verl import make_select_fsdp2_wrap_targets
+        from fsdp_compat.policies import Auto, Legacy
         from fsdp_compat.testing.zoo import build_model
         original = utils._select_fsdp2_wrap_targets
         def names(model, mods):
@@ -370,6 +371,7 @@ def test_selector_keeps_by_name_peft_wrappers_where_safe() -> None:
         import verl.utils.fsdp_utils as utils
         from peft import LoraConfig, get_peft_model
         from fsdp_compat.adapters.verl import make_select_fsdp2_wrap_targets
+        from fsdp_compat.policies import Auto
         from fsdp_compat.testing.zoo import build_model
         model = get_peft_model(build_model("qwen2"), LoraConfig(
             r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"]))
