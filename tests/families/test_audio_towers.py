@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 AUTO = "fsdp_compat.testing.wraps:core_auto"
 MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
-CORE = Path(__file__).resolve().parents[1] / "core"  # the generation rank routines
+CORE = Path(__file__).resolve().parents[1] / "runtime"  # the generation rank routines
 OMNI = sorted({t.name for t in tiny_models().values() if isinstance(t, OmniVlm)})
 # Ranks that differ in audio (and in images): audio on one rank only, each rank one medium, and both media on one
 # rank against none on the other (the audio dummy then runs before the vision dummy, as the forward orders them).
