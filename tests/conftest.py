@@ -1,4 +1,4 @@
-"""pytest hooks: the distributed tests' device checked at start (its setting lives in ``_support``), and failing (not
+"""pytest hooks: the distributed tests' device checked at start (its setting lives in ``lab.support``), and failing (not
 skipping) when it is missing.
 
 ``FSDP_COMPAT_TEST_DEVICE=cuda`` (set by the tox ``-gpu`` factor) runs the distributed tests with NCCL on every
@@ -10,7 +10,7 @@ and the summary lists each one with its reason, so a skip in a report always mea
 
 This folder goes first on ``PYTHONPATH`` in ``os.environ`` as soon as pytest imports this file, so every process a
 test starts (rank processes of ``fsdp_compat.testing.launch.run_ranks`` included) can import the test lab
-(``lab.*``, tests/lab/) and ``_support``; a test that sets the ranks' ``PYTHONPATH`` itself keeps the inherited
+(``lab.*``, tests/lab/) and ``lab.support``; a test that sets the ranks' ``PYTHONPATH`` itself keeps the inherited
 entries after its own.
 """
 
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _support import DEVICE, WORLD_SIZE
+from lab.support import DEVICE, WORLD_SIZE
 
 TESTS = str(Path(__file__).resolve().parent)
 _inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != TESTS]
 os.environ["PYTHONPATH"] = os.pathsep.join([TESTS, *_inherited])
 
-__all__ = ["DEVICE", "WORLD_SIZE"]  # still importable from here for now; test modules import them from _support
+__all__ = ["DEVICE", "WORLD_SIZE"]  # still importable from here for now; test modules import them from lab.support
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -1,4 +1,4 @@
-"""Activation on throwaway modules (``_fakes``): which versions an adapter patches (range, ``FSDP_COMPAT_FORCE``,
+"""Activation on throwaway modules (``lab.fakes``): which versions an adapter patches (range, ``FSDP_COMPAT_FORCE``,
 pre-releases, a missing distribution), ``activate_on_import`` and the switches ``FSDP_COMPAT`` /
 ``FSDP_COMPAT_AUTOLOAD`` / ``FSDP_COMPAT_POLICY`` / ``FSDP_COMPAT_LOG``, the log lines, and one adapter with two
 distributions.
@@ -13,16 +13,16 @@ import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
-import _fakes
+import lab.fakes as fakes
 import pytest
-from _fakes import (
+from fsdp_compat.adapters import ADAPTERS, AdapterEntry
+from lab.fakes import (
     FakeAdapter,
     FakeFramework,
     _fake_adapter_module,
     _run,
     tag,
 )
-from fsdp_compat.adapters import ADAPTERS, AdapterEntry
 from packaging.version import Version
 
 from fsdp_compat import _autoload, activation
@@ -36,10 +36,10 @@ from fsdp_compat.activation import (
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.policies import Auto, Policy
 
-# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
+# the folder's fixtures live in lab.fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
-_clean_env = _fakes._clean_env
-fw = _fakes.fw
+_clean_env = fakes._clean_env
+fw = fakes.fw
 
 
 # ----------------------------------------------------------------------------------------- versions / force

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import importlib
 
-import _fakes
+import lab.fakes as fakes
 import pytest
 from fsdp_compat.adapters import ADAPTERS
 from packaging.version import Version
 
 from fsdp_compat import activation
 
-# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
+# the folder's fixtures live in lab.fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
-_clean_env = _fakes._clean_env
+_clean_env = fakes._clean_env
 
 
 def test_index_is_the_one_home_of_triggers_and_ranges() -> None:
@@ -104,7 +104,7 @@ def test_importing_an_adapter_imports_no_torch_and_no_analysis(key: str) -> None
     """An adapter module is loaded by the .pth hook or a framework's entry point, often before the job needs it: its
     replacements import the planner, the safety checker and torch when they run, not when the adapter loads (the
     start-up benchmark measured +6 ms on ``import verl`` when ``_selection`` imported the checker at load time)."""
-    done = _fakes._run(
+    done = fakes._run(
         f"""
         import sys
         import fsdp_compat.adapters.{key}

@@ -4,16 +4,16 @@ inspecting imports no adapter and no framework.
 
 from __future__ import annotations
 
-import _fakes
+import lab.fakes as fakes
 import pytest
-from _fakes import (
+from fsdp_compat.adapters import ADAPTERS
+from lab.fakes import (
     _run,
 )
-from fsdp_compat.adapters import ADAPTERS
 
-# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
+# the folder's fixtures live in lab.fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
-_clean_env = _fakes._clean_env
+_clean_env = fakes._clean_env
 
 
 def test_doctor_report_names_switches_and_every_adapter(monkeypatch: pytest.MonkeyPatch) -> None:

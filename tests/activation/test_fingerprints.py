@@ -3,7 +3,7 @@ patched when what the adapter replaces is unchanged from the newest tested relea
 naming what changed, otherwise; the recorded data file is what the command writes and what the installed releases
 give; ``doctor`` says which.
 
-On throwaway packages (``_fakes``): their "releases" are the same files rewritten, recorded into a data file of the
+On throwaway packages (``lab.fakes``): their "releases" are the same files rewritten, recorded into a data file of the
 test's own. The same gate on transformers' real code, with a real run, is in tests/stacks/transformers.
 """
 
@@ -20,10 +20,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar
 
-import _fakes
+import lab.fakes as fakes
 import pytest
-from _fakes import FakeFramework, _fake_adapter_module, _run, tag
 from fsdp_compat.adapters import ADAPTERS
+from lab.fakes import FakeFramework, _fake_adapter_module, _run, tag
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -31,9 +31,9 @@ from fsdp_compat import fingerprints
 from fsdp_compat.activation import Adapter, FsdpCompatWarning, Release, Replacement
 from fsdp_compat.policies import Auto, Policy
 
-# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py); bound by name here
-_clean_env = _fakes._clean_env
-fw = _fakes.fw
+# the folder's fixtures live in lab.fakes (a conftest.py here would shadow tests/conftest.py); bound by name here
+_clean_env = fakes._clean_env
+fw = fakes.fw
 
 SPEC = ">=1.0,<2"
 

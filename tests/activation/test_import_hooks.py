@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _fakes
+import lab.fakes as fakes
 import pytest
-from _fakes import (
+from lab.fakes import (
     FakeFramework,
     _fake_adapter_module,
     _register,
@@ -18,10 +18,10 @@ from _fakes import (
 
 from fsdp_compat import _autoload
 
-# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
+# the folder's fixtures live in lab.fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
-_clean_env = _fakes._clean_env
-fw = _fakes.fw
+_clean_env = fakes._clean_env
+fw = fakes.fw
 
 
 # ------------------------------------------------------------------------------------------- _autoload

@@ -1,4 +1,4 @@
-"""The patch transaction (``fsdp_compat.patching``) through an adapter, on throwaway modules (``_fakes``): a
+"""The patch transaction (``fsdp_compat.patching``) through an adapter, on throwaway modules (``lab.fakes``): a
 replacement reaches the definer and every module that bound the name (declared importers, late importers, a
 stranger), ``unpatch`` restores each identity, threads patch once, other wrappers survive, a failure rolls back
 everything, ``deferred`` waits for its module and ``when`` is read when the row is applied.
@@ -14,10 +14,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import _fakes
+import lab.fakes as fakes
 import pytest
 import wrapt
-from _fakes import (
+from lab.fakes import (
     FakeAdapter,
     FakeFramework,
     _write,
@@ -34,10 +34,10 @@ from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.patching import Patch
 from fsdp_compat.policies import Auto
 
-# the folder's fixtures live in _fakes (a conftest.py here would shadow tests/conftest.py, which test modules
+# the folder's fixtures live in lab.fakes (a conftest.py here would shadow tests/conftest.py, which test modules
 # import by name); pytest finds a fixture by the name bound in the test module
-_clean_env = _fakes._clean_env
-fw = _fakes.fw
+_clean_env = fakes._clean_env
+fw = fakes.fw
 
 
 # ----------------------------------------------------------------------------------------------- patch basics

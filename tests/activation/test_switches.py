@@ -12,9 +12,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import _fakes
+import lab.fakes as fakes
 import pytest
-from _fakes import _run
+from lab.fakes import _run
 
 from fsdp_compat import _autoload, switches
 from fsdp_compat.activation import policy_from_env
@@ -23,7 +23,7 @@ from fsdp_compat.policies import POLICY_NAMES
 from fsdp_compat.runtime.guard import guard_enabled
 from fsdp_compat.runtime.mixed_batches import mixed_batches_mode
 
-_clean_env = _fakes._clean_env
+_clean_env = fakes._clean_env
 
 ON = ["1", "on", "true", "yes", "enable", "enabled"]
 OFF = ["0", "off", "false", "no", "disable", "disabled"]

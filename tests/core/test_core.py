@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from _support import DEVICE, WORLD_SIZE
+from lab.support import DEVICE, WORLD_SIZE
 
 import fsdp_compat
 from fsdp_compat import FsdpCompatError

@@ -7,7 +7,7 @@ skeletons are ``fsdp_compat.testing.skeleton.reference_skeleton`` (config-class 
 from __future__ import annotations
 
 import pytest
-from _support import DEVICE, WORLD_SIZE
+from lab.support import DEVICE, WORLD_SIZE
 
 from fsdp_compat.plan import plan_wrap, unsafe_reads
 from fsdp_compat.policies import POLICY_ORDER, Auto

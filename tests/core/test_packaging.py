@@ -146,7 +146,7 @@ def test_plan_of_a_zoo_model_runs_from_the_installed_wheel(built: dict[str, Path
         site = Path({str(site_dir)!r}).resolve()
         files = [m.__file__ for n, m in list(sys.modules.items()) if n.split(".")[0] == "fsdp_compat"]
         print("OUTSIDE", sorted(f for f in files if f and not Path(f).resolve().is_relative_to(site)))
-        print("FOREIGN", sorted(n for n in sys.modules if n.split(".")[0] in ("lab", "benchmarks", "_support")))
+        print("FOREIGN", sorted(n for n in sys.modules if n.split(".")[0] in ("lab", "benchmarks", "lab.support")))
         """,
     )
     assert done.returncode == 0, done.stderr

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from _support import WORLD_SIZE
 from lab.peft_glm4v import PEFT_CONFIGS, build_peft_glm4v
+from lab.support import WORLD_SIZE
 
 from fsdp_compat.plan import plan_wrap
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH

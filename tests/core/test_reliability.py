@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-from _support import DEVICE, WORLD_SIZE
 from lab.checkpoints import Phase, load_full, run_phases
+from lab.support import DEVICE, WORLD_SIZE
 from torch import nn
 
 from fsdp_compat.errors import FsdpCompatError

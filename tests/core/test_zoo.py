@@ -217,7 +217,7 @@ def test_the_guard_report_sees_a_rescue() -> None:
     """Control for the zoo parity runs' ``unshards == 0`` (test_core.py, probe ``guard_models:guard_report``):
     the same probe on a plan that needs the guard (GLM4V under ``legacy``) reports the run-time unshards, so a
     planner regression that the guard silently rescues fails those runs."""
-    from _support import DEVICE, WORLD_SIZE
+    from lab.support import DEVICE, WORLD_SIZE
 
     from fsdp_compat.testing.parity import run_training
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _support import BREADTH, DEVICE
+from lab.support import BREADTH, DEVICE
 from lab.vlms import tiny_models
 from lab.vlms.grid import OmniVlm
 
@@ -80,7 +80,7 @@ def test_ranks_that_differ_in_audio_train_exactly(name: str, variants: tuple[str
 def _whole_step(name: str, variants: tuple[str, str], cases: list[str], mode: str) -> RunResult:
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return run_ranks(
-        "_generation_ranks:generation_ranks",
+        "lab.generation:generation_ranks",
         {"model": f"lab.vlms:{name}", "plan": "auto", "variants": list(variants), "cases": cases, "device": DEVICE},
         world_size=2,
         timeout_s=240.0,

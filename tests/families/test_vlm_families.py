@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import DEVICE
 from lab.families import (
     DiscoveredVlm,
     counts_sentence,
@@ -38,6 +37,7 @@ from lab.families import (
     tiny_of,
     zoo_model,
 )
+from lab.support import DEVICE
 
 from fsdp_compat.runtime.mixed_batches import FAMILIES
 from fsdp_compat.testing.launch import RankResult, RunResult, current_wording

@@ -1,4 +1,12 @@
-"""The project's own test lab: support that only fsdp-compat's tests and benchmarks use, kept out of the wheel.
+"""The project's own test lab, the one home of what only fsdp-compat's tests and benchmarks use, kept out of the wheel.
+
+- :mod:`lab.support`: where the distributed tests run (device, world size), the ``breadth`` mark,
+  ``require_framework``, the ranks' ``PYTHONPATH``.
+- :mod:`lab.stacks`: one rank module per framework (``lab.stacks.verl_engine_ranks``, ...), each driving that
+  framework's own code; :mod:`lab.stacks.verl_cpu_platform` is verl's CPU platform plugin.
+- :mod:`lab.generation`, :mod:`lab.whole_step`: generation, log-prob and whole-step rank routines.
+- :mod:`lab.fakes`: the activation tests' throwaway packages and fixtures; ``lab/stubs``: stand-ins for modules a CPU
+  machine lacks (SkyRL's ``flash_attn``), put on a rank's ``PYTHONPATH`` by the tests that need them.
 
 - :mod:`lab.guard_models`: small models that read a parameter while its FSDP2 group is sharded, the guard tests'
   wrap functions and probes, and the rank routine that checks every FSDP2 internal the guard relies on.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _support import WORLD_SIZE
+from lab.support import WORLD_SIZE
 
 from fsdp_compat.testing.launch import RunResult, run_ranks
 

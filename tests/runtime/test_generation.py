@@ -8,23 +8,20 @@ scores equal (``torch.equal``), log-probs and features ``== 0.0``; a training st
 training on all the ranks' micro-batches (0.0). Each failure is shown first: FSDP2 alone crashes on the tower call
 outside the forward (``got mixed torch.Tensor and DTensor``), ``FSDP_COMPAT_MIXED_BATCHES=off`` falls out of step
 on image|text ranks, and ``synced_gpus=False`` falls out of step when the ranks stop at different lengths. The rank
-routines are in ``_generation_ranks.py``.
+routines are in ``tests/lab/generation.py``.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import BREADTH, DEVICE, WORLD_SIZE
+from lab.support import BREADTH, DEVICE, WORLD_SIZE, rank_pythonpath
 
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 MISMATCH = "Received data size doesn't match expected size"
 MIXED = "got mixed torch.Tensor and DTensor"
 WORLD = max(WORLD_SIZE, 2)
@@ -37,15 +34,14 @@ ALL_CASES = ["generate", "logprobs", "generate", "sample", "eos", "visual", "fea
 
 def _launch(model: str, plan: str, variants: list[str], cases: list[str], *, mode: str = "sync",
             timeout_s: float = 240.0, **cfg: Any) -> RunResult:  # fmt: skip
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # "-bare" plans are plain FSDP2 without fsdp-compat: its automatic activation (the generic layer too) is off
     bare = {"FSDP_COMPAT": "off"} if plan.endswith("-bare") else {}
     return run_ranks(
-        "_generation_ranks:generation_ranks",
+        "lab.generation:generation_ranks",
         {"model": model, "plan": plan, "variants": variants, "cases": cases, "device": DEVICE, **cfg},
         world_size=len(variants),
         timeout_s=timeout_s,
-        env={"PYTHONPATH": os.pathsep.join([str(HERE), *inherited]), "FSDP_COMPAT_MIXED_BATCHES": mode, **bare},
+        env={"PYTHONPATH": rank_pythonpath(), "FSDP_COMPAT_MIXED_BATCHES": mode, **bare},
     )
 
 

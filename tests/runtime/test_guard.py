@@ -11,7 +11,7 @@ root reading a layer's weight before that layer runs, GLM4V's raw read of its vi
 from __future__ import annotations
 
 import pytest
-from _support import BREADTH, DEVICE, WORLD_SIZE
+from lab.support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.runtime.guard import ENV_AGREE_S, ENV_GUARD, guard_enabled, guard_of, install_guard
 from fsdp_compat.testing.launch import RunResult

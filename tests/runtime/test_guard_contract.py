@@ -11,7 +11,7 @@ with exactly one warning per rank.
 from __future__ import annotations
 
 import pytest
-from _support import WORLD_SIZE
+from lab.support import WORLD_SIZE
 
 from fsdp_compat.runtime.guard import ENV_GUARD
 from fsdp_compat.testing.launch import run_ranks

@@ -12,7 +12,7 @@ are tested in their own files.
 from __future__ import annotations
 
 import pytest
-from _support import BREADTH, DEVICE, WORLD_SIZE
+from lab.support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.runtime.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode

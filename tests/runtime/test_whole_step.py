@@ -26,19 +26,16 @@ ranks (every sum of two terms is commutative), and the GPU factor has one NCCL r
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import BREADTH
+from lab.support import BREADTH, rank_pythonpath
 
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-ROUTINE = "_whole_step_ranks:whole_step_rank"
-TESTS = Path(__file__).resolve().parent
+ROUTINE = "lab.whole_step:whole_step_rank"
 MODELS = ["glm4v", pytest.param("qwen2.5-vl", marks=BREADTH)]
 MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
@@ -47,9 +44,8 @@ IMAGE_THEN_TEXT = [["image", "text"], ["text", "image"]]  # [rank][micro-batch],
 
 
 def _run(model: str, cases: list[dict[str, Any]], *, mode: str = "sync", timeout_s: float = 300.0) -> RunResult:
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     cfg = {"model": model, "seed": 0, "steps": STEPS, "variants": VARIANTS, "cases": cases}
-    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), *inherited]), "FSDP_COMPAT_MIXED_BATCHES": mode}
+    env = {"PYTHONPATH": rank_pythonpath(), "FSDP_COMPAT_MIXED_BATCHES": mode}
     run = run_ranks(ROUTINE, cfg, world_size=2, timeout_s=timeout_s, env=env)
     print(f"{model} {mode} {cases}: {'ok' if run.ok else run.exception} ({run.seconds:.1f}s)")
     return run

@@ -3,8 +3,9 @@
 ``_prepare_fsdp2`` -> ``fsdp2_prepare_model``, the HF Trainer's and TRL's FSDP2 path), ``accelerator.backward`` and
 the prepared optimizer, on 2 gloo ranks in fresh interpreters.
 
-accelerate takes FSDP only on a GPU-type distributed state; the rank code (``_accelerate_ranks.py``, its docstring)
-builds accelerate's ``PartialState`` as a CPU job (gloo, CPU device) and sets its shared ``distributed_type`` to
+accelerate takes FSDP only on a GPU-type distributed state; the rank code
+(``lab.stacks.accelerate_ranks``, its docstring) builds accelerate's ``PartialState`` as a CPU job (gloo, CPU
+device) and sets its shared ``distributed_type`` to
 ``MULTI_GPU`` before the ``Accelerator`` exists: nothing of accelerate is replaced or mocked.
 
 Rank 0 trains an image batch, rank 1 a text-only one. With ``FSDP_COMPAT=off`` the vision blocks' groups (accelerate
@@ -24,11 +25,10 @@ import subprocess
 import sys
 import textwrap
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 from packaging.version import Version
 
 from fsdp_compat.policies import Auto
@@ -39,7 +39,6 @@ from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
 ACCELERATE = metadata.version("accelerate")
 MISMATCH = "Received data size doesn't match expected size"
 GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
@@ -65,11 +64,11 @@ VLM_GROUPS = [
 
 def run(model: str, variants: list[str], env: dict[str, str | None], **cfg: Any) -> RunResult:
     return run_ranks(
-        "_accelerate_ranks:accelerate_rank",
+        "lab.stacks.accelerate_ranks:accelerate_rank",
         {"model": model, "steps": 2, "variants": variants, "bindings": BINDINGS, **cfg},
         world_size=2,
         timeout_s=240,
-        env={"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p), **env},
+        env={"PYTHONPATH": rank_pythonpath(), **env},
     )
 
 

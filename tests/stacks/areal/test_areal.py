@@ -3,17 +3,16 @@ AReaL's own ``parallelize_model`` (the call its FSDPEngine makes), on 2 gloo ran
 
 Crash first with fsdp-compat off (``FSDP_COMPAT=off``), then exact parity with the ``.pth`` hook patching
 ``areal.engine.fsdp_utils.apply_fsdp2``; a text model keeps exactly AReaL's groups. Rank code is
-``_areal_ranks.py`` (this folder). Runs in the ``areal104`` tox envs (the only ones that collect this folder:
+``tests/lab/stacks/areal_ranks.py``. Runs in the ``areal104`` tox envs (the only ones that collect this folder:
 missing AReaL fails).
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 
 require_framework("AReaL's FSDP engine", lambda: importlib.import_module("areal.engine.fsdp_utils.parallel"))
 
@@ -22,12 +21,11 @@ from fsdp_compat.testing.parity import forget_image_positions, run_training  # n
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
-WRAP = "_areal_ranks:wrap_parallelize_model"
+WRAP = "lab.stacks.areal_ranks:wrap_parallelize_model"
 
 
 def run(model: str, **env: str | None):
-    return run_training(model, WRAP, steps=2, timeout_s=240, env={"PYTHONPATH": str(TESTS), **env})
+    return run_training(model, WRAP, steps=2, timeout_s=240, env={"PYTHONPATH": rank_pythonpath(), **env})
 
 
 def test_glm4v_crashes_through_areal_without_fsdp_compat():
@@ -62,7 +60,7 @@ MISMATCH = "Received data size doesn't match expected size"
 
 def _run_variants(model: str, variants: list[str], timeout_s: float = 240, **env: str | None):
     return run_training(
-        model, WRAP, steps=2, timeout_s=timeout_s, variants=variants, env={"PYTHONPATH": str(TESTS), **env}
+        model, WRAP, steps=2, timeout_s=timeout_s, variants=variants, env={"PYTHONPATH": rank_pythonpath(), **env}
     )
 
 

@@ -2,7 +2,7 @@
 axolotl's own ``fsdp2_prepare_model``, installed over accelerate's the way axolotl's model loader installs it
 (``PatchManager._apply_fsdp_patches`` -> ``patch_accelerate_fsdp2``), reached through accelerate's own
 ``Accelerator.prepare`` on 2 gloo ranks in fresh interpreters. Rank code, and where it stops in axolotl's loader and
-why: ``_axolotl_ranks.py``.
+why: ``tests/lab/stacks/axolotl_ranks.py``.
 
 Rank 0 trains an image batch, rank 1 a text-only one. With ``FSDP_COMPAT=off`` the vision blocks' groups (axolotl
 gives every ``_no_split_modules`` block one) are all-gathered on rank 0 only and gloo aborts ("Received data size
@@ -21,11 +21,10 @@ import subprocess
 import sys
 import textwrap
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -37,8 +36,6 @@ from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
-ACCELERATE_TESTS = TESTS.parent / "accelerate"
 AXOLOTL = metadata.version("axolotl")
 AXOLOTL_FN = "axolotl.monkeypatch.accelerate.fsdp2.fsdp2_prepare_model"
 MISMATCH = "Received data size doesn't match expected size"
@@ -61,13 +58,12 @@ GROUPS = [
 
 
 def run(variants: list[str], env: dict[str, str | None]) -> RunResult:
-    path = [str(TESTS), str(ACCELERATE_TESTS), os.environ.get("PYTHONPATH")]
     return run_ranks(
-        "_axolotl_ranks:axolotl_rank",
+        "lab.stacks.axolotl_ranks:axolotl_rank",
         {"model": "glm4v", "steps": 2, "variants": variants, "bindings": BINDINGS},
         world_size=2,
         timeout_s=240,
-        env={"PYTHONPATH": os.pathsep.join(p for p in path if p), **env},
+        env={"PYTHONPATH": rank_pythonpath(), **env},
     )
 
 

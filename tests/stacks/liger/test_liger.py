@@ -16,13 +16,11 @@ Exact parity needs a GPU.
 
 from __future__ import annotations
 
-import os
 from importlib.metadata import version
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import DEVICE, WORLD_SIZE, require_framework
+from lab.support import DEVICE, WORLD_SIZE, rank_pythonpath, require_framework
 from torch import nn
 
 from fsdp_compat.group_check import check_groups, evidence
@@ -37,12 +35,11 @@ LIGER_SITE = "liger_fused_linear_cross_entropy"
 MIXED = "got mixed torch.Tensor and DTensor"
 NO_TRITON_DRIVER = "0 active drivers"
 UNSAFE_LM_HEAD = "the FSDP2 group lm_head can be read while sharded"
-HERE = str(Path(__file__).resolve().parent)  # _liger_ranks, for the rank interpreters
 ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_GENERIC": None, "FSDP_COMPAT_GUARD": None, "FSDP_COMPAT_AUTOLOAD": None}
 
 
 def _model(name: str, *, liger: bool) -> nn.Module:
-    from _liger_ranks import apply_liger
+    from lab.stacks.liger_ranks import apply_liger
 
     model = build_model(name)
     if liger:
@@ -99,11 +96,11 @@ def test_the_group_check_flags_the_lm_head_group_only_under_liger(name: str, lig
 
 def _run(env: dict[str, str | None]) -> RunResult:
     return run_ranks(
-        "_liger_ranks:liger_rank",
+        "lab.stacks.liger_ranks:liger_rank",
         {"model": "qwen2.5-vl", "liger": True},
         world_size=WORLD_SIZE,
         timeout_s=240,
-        env={**ON, "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p), **env},
+        env={**ON, "PYTHONPATH": rank_pythonpath(), **env},
     )
 
 

@@ -9,12 +9,12 @@ Crash first with fsdp-compat off (``FSDP_COMPAT=off``), then parity with the ``.
 attribute ``FSDP2Engine.prepare_model``: each rank trains a different batch; the reference, in every rank, does
 ``(ref(**batch_r).loss / 2).backward()`` for both ranks' batches, then one AdamW step; gradients and post-step
 parameters are asserted ``== 0.0`` (fp32, 2 steps). A text model keeps exactly LLaMA-Factory's groups. Rank code is
-``_llamafactory_ranks.py`` (this folder). Runs in the ``llamafactory095`` tox env (the only one that collects
+``tests/lab/stacks/llamafactory_ranks.py``. Runs in the ``llamafactory095`` tox env (the only one that collects
 this folder: a missing LLaMA-Factory fails).
 
 LLaMA-Factory main (unreleased, 0.9.6.dev0) grew the engine: ``prepare_model(self, model, ignored_params=None)``,
 called with ``ignored_params=`` by ``FSDPTurboFSDP2Engine``, a *set* of layer classes with the vision blocks, and
-a bf16 norms step. ``_llamafactory_main.py`` is that engine's shape (read at ff6d4d1; see its docstring), run
+a bf16 norms step. ``lab.stacks.llamafactory_main`` is that engine's shape (read at ff6d4d1; see its docstring), run
 with 0.9.5's real ``DistributedInterface`` under the real module's name and patched by the adapter's own table:
 the same crash first, then the same exactness.
 """
@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
@@ -40,15 +38,14 @@ require_framework(
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
 
 
 def run(model: str, variants: list[str] | None = None, *, body: str = "engine_rank", cfg: dict[str, Any] | None = None,
         **env: str | None) -> RunResult:
     return run_ranks(
-        f"_llamafactory_ranks:{body}", {"model": model, "steps": 2, "variants": variants, **(cfg or {})},
+        f"lab.stacks.llamafactory_ranks:{body}", {"model": model, "steps": 2, "variants": variants, **(cfg or {})},
         world_size=2, timeout_s=240,
-        env={"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p), **env},
+        env={"PYTHONPATH": rank_pythonpath(), **env},
     )  # fmt: skip
 
 

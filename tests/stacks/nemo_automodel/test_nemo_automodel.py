@@ -1,7 +1,7 @@
 """NeMo Automodel (``nemo-automodel`` from PyPI, 0.7.0): tiny GLM4V and Qwen2.5-VL through NeMo's own FSDP2 entry
 point ``parallelize_model(model, MeshContext.build(FSDP2Config(...)))`` (its ``ModelParallelizer._apply`` ->
-``apply_fsdp2_sharding_recursively``, the embeddings, the root; ``_nemo_ranks.py`` says what runs), on 2 gloo ranks
-in fresh interpreters, fp32, 2 AdamW steps.
+``apply_fsdp2_sharding_recursively``, the embeddings, the root;
+``lab.stacks.nemo_automodel_ranks`` says what runs), on 2 gloo ranks in fresh interpreters, fp32, 2 AdamW steps.
 
 Rank 0 trains an image batch, rank 1 a text-only one. With ``FSDP_COMPAT=off`` the vision blocks' groups (NeMo
 gives every ``nn.ModuleList`` child one) are all-gathered on rank 0 only and gloo aborts ("Received data size doesn't
@@ -20,11 +20,10 @@ import subprocess
 import sys
 import textwrap
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 from packaging.version import Version
 
 from fsdp_compat.policies import Auto
@@ -37,7 +36,6 @@ from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
 NEMO = metadata.version("nemo-automodel")
 #: the modules that hold ``apply_fsdp2_sharding_recursively`` (oracle: grep of the 0.7.0 wheel)
 BINDINGS = [PARALLELIZER, "nemo_automodel._diffusers.parallelization"]
@@ -63,11 +61,11 @@ VLM_GROUPS = [
 
 def run(body: str, env: dict[str, str | None], **cfg: Any) -> RunResult:
     return run_ranks(
-        f"_nemo_ranks:{body}",
+        f"lab.stacks.nemo_automodel_ranks:{body}",
         {"steps": 2, **cfg},
         world_size=2,
         timeout_s=240,
-        env={"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p), **env},
+        env={"PYTHONPATH": rank_pythonpath(), **env},
     )
 
 

@@ -3,7 +3,7 @@
 Needs an installed ``skyrl`` or ``skyrl-train`` (tox envs ``skyrl040``, ``skyrltrain031``, label ``skyrl-all``) and
 fsdp-compat installed as a wheel (its ``.pth``); collected only by those envs, so a missing piece fails.
 
-Rank code lives in ``_skyrl_ranks.py`` (this folder) and imports no fsdp_compat adapter; ``_skyrl_stubs`` holds a
+Rank code lives in ``tests/lab/stacks/skyrl_ranks.py`` and imports no fsdp_compat adapter; ``tests/lab/stubs`` holds a
 test-only ``flash_attn.bert_padding`` stand-in (flash-attn needs CUDA; SkyRL imports it at module level).
 ``FSDP_COMPAT_TEST_DEVICE=cuda`` runs the distributed cases on CUDA/NCCL (one rank per GPU, at most 2).
 """
@@ -17,11 +17,10 @@ import subprocess
 import sys
 import textwrap
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import STUBS, rank_pythonpath, require_framework
 
 from fsdp_compat.testing.launch import RunResult
 from fsdp_compat.testing.parity import run_training
@@ -33,8 +32,7 @@ from fsdp_compat.testing.skyrl_smoke import (
     installed_skyrl,
 )
 
-TESTS = Path(__file__).resolve().parent
-RANK_PATH = os.pathsep.join([str(TESTS), str(TESTS / "_skyrl_stubs")])
+RANK_PATH = rank_pythonpath(STUBS)
 DISTRIBUTION, VERSION = require_framework("skyrl or skyrl-train", installed_skyrl)
 RELEASE = f"{DISTRIBUTION} {VERSION}"
 PACKAGE = {"skyrl": "skyrl.backends.skyrl_train.distributed", "skyrl-train": "skyrl_train.distributed"}[DISTRIBUTION]
@@ -72,13 +70,13 @@ def _need_pth() -> None:
 def _run(wrap: str, **env: str) -> RunResult:
     result = run_training(
         "glm4v",
-        f"_skyrl_ranks:{wrap}",
+        f"lab.stacks.skyrl_ranks:{wrap}",
         world_size=_world_size(),
         steps=STEPS,
         device=DEVICE,
         timeout_s=240,
         env={"PYTHONPATH": RANK_PATH, **env},
-        probe="_skyrl_ranks:probe",
+        probe="lab.stacks.skyrl_ranks:probe",
     )
     figures = f"Δgrad={result.max_rel_grad_diff} Δparam={result.max_rel_param_diff}" if result.ok else ""
     print(f"{RELEASE} {wrap} {env}: ok={result.ok} {figures} {result.exception or ''} ({result.seconds:.1f}s)")
@@ -210,7 +208,7 @@ def _python(code: str, **env: str) -> dict[str, Any]:
 
 _UNPATCH_SCRIPT = """
     import importlib, json
-    import _skyrl_ranks  # interpreter workarounds only
+    import lab.stacks.skyrl_ranks as skyrl_ranks  # interpreter workarounds only
     P = {package!r}
     order = {order!r}
     utils = importlib.import_module(P + ".fsdp_utils")
@@ -255,7 +253,7 @@ def test_fsdp_compat_off_leaves_skyrl_untouched() -> None:
     _need_pth()
     code = f"""
         import importlib, json, sys
-        import _skyrl_ranks
+        import lab.stacks.skyrl_ranks as skyrl_ranks
         utils = importlib.import_module({PACKAGE!r} + ".fsdp_utils")
         print(json.dumps({{"patched": hasattr(utils.apply_fsdp2, "__fsdp_compat__"),
                            "adapter_loaded": "fsdp_compat.adapters.skyrl" in sys.modules}}))
@@ -278,17 +276,16 @@ def _free_port() -> int:
 def test_ray_actors_are_patched_by_the_pth_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two Ray actors form the gloo group and call SkyRL's apply_fsdp2; no fsdp_compat import in actor code."""
     _need_pth()
-    import _skyrl_ranks
+    import lab.stacks.skyrl_ranks as skyrl_ranks
     import ray
 
     # No empty entry: "" would put the working directory (a source checkout) ahead of the installed wheel.
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([RANK_PATH, *inherited]))
+    monkeypatch.setenv("PYTHONPATH", RANK_PATH)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("FSDP_COMPAT", raising=False)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(num_cpus=1)(_skyrl_ranks.RayRank)
+        actor = ray.remote(num_cpus=1)(skyrl_ranks.RayRank)
         ranks = [actor.remote() for _ in range(2)]
         port = _free_port()
         results = ray.get([a.run.remote(i, 2, port, STEPS, 240.0) for i, a in enumerate(ranks)], timeout=360)
@@ -324,7 +321,7 @@ def test_smoke_table_passes() -> None:
         world_size=_world_size(),
         steps=STEPS,
         device=DEVICE,
-        rank_module="_skyrl_ranks",
+        rank_module="lab.stacks.skyrl_ranks",
         env={"PYTHONPATH": RANK_PATH, "FSDP_COMPAT_TEST_REPAIR_MPP": "1"},
     )
     table = format_smoke_table(rows)

@@ -5,7 +5,7 @@ weights on ranks other than 0) -> ``FSDPStrategy.prepare`` -> ``_fsdp_init_model
 CUDA: ``setup_distributed`` builds an ``init_device_mesh("cuda")`` mesh, which ``fully_shard`` cannot use
 without CUDA, and ``fsdp2_load_full_state_dict`` stages tensors through ``.cuda()``. The CPU tests here assert
 exactly those two blockers on the real strategy, and train through a **reproduction of**
-``FSDPStrategy._fsdp_init_model`` / ``_fsdp_init_train_model`` (``_skyrl_engine_ranks.py``, this folder): skyrl 0.4.0
+``FSDPStrategy._fsdp_init_model`` / ``_fsdp_init_train_model`` (``lab.stacks.skyrl_engine_ranks``): skyrl 0.4.0
 ``skyrl/backends/skyrl_train/distributed/fsdp_strategy.py`` lines 202-285 (mixed-precision policy,
 ``fsdp_kwargs``, ``state_dict()``, ``module.to("meta")`` with the rank-0 snapshot of non-persistent buffers,
 ``apply_fsdp2(module, fsdp_kwargs, self.fsdp_config)``, ``fsdp2_load_full_state_dict``, AdamW and scheduler);
@@ -37,16 +37,13 @@ from __future__ import annotations
 import os
 import sys
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-RANK_PATH = os.pathsep.join([str(TESTS), str(TESTS / "_skyrl_stubs")])
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 
-from _support import require_framework  # noqa: E402
+from lab.support import STUBS, rank_pythonpath, require_framework  # noqa: E402
 
 from fsdp_compat.testing.skyrl_smoke import installed_skyrl  # noqa: E402
 
@@ -76,7 +73,7 @@ MISMATCH = "Received data size doesn't match expected size"
 MIXED_MODELS = ("glm4v", "qwen2.5-vl") if MODEL == "glm4v" else ()
 STEPS = 2
 #: Every rank: .pth patching off or on, and skyrl-train 0.3.1's missing re-export repaired test-side so that
-#: its fsdp_strategy imports without the adapter (``_skyrl_ranks.py``).
+#: its fsdp_strategy imports without the adapter (``tests/lab/stacks/skyrl_ranks.py``).
 BASE_ENV = {"FSDP_COMPAT_TEST_REPAIR_MPP": "1"}
 
 
@@ -107,13 +104,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _rank_path() -> str:
     """The rank modules first, then the caller's PYTHONPATH (no empty entry: that would put the working
     directory, a source checkout, ahead of the installed wheel)."""
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join([RANK_PATH, *inherited])
+    return rank_pythonpath(STUBS)
 
 
 def _run(body: str, cfg: dict[str, Any], *, world_size: int = 2, timeout_s: float = 240, **env: str) -> RunResult:
     full_env = {**BASE_ENV, "PYTHONPATH": _rank_path(), **env}
-    result = run_ranks(f"_skyrl_engine_ranks:{body}", cfg, world_size=world_size, timeout_s=timeout_s, env=full_env)
+    routine = f"lab.stacks.skyrl_engine_ranks:{body}"
+    result = run_ranks(routine, cfg, world_size=world_size, timeout_s=timeout_s, env=full_env)
     outcome = "ok" if result.ok else result.exception
     print(f"{RELEASE} {body} {cfg.get('model', '')} {env or ''}: {outcome} ({result.seconds:.1f}s)")
     return result
@@ -285,7 +282,7 @@ if DEVICE == "cuda":
 def test_ray_actors_crash_unpatched_then_train_patched(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two Ray actors form a gloo group and call SkyRL's apply_fsdp2 on GLM4V: with FSDP_COMPAT=off in their
     runtime_env they crash in grid_sampler; two fresh actors without it train at exact parity (.pth hook)."""
-    import _skyrl_ranks
+    import lab.stacks.skyrl_ranks as skyrl_ranks
     import ray
 
     from fsdp_compat.testing.launch import _free_port
@@ -298,7 +295,7 @@ def test_ray_actors_crash_unpatched_then_train_patched(monkeypatch: pytest.Monke
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         for case, env in (("off", {**common, "FSDP_COMPAT": "off"}), ("patched", common)):
-            actor = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(_skyrl_ranks.RayRank)
+            actor = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(skyrl_ranks.RayRank)
             ranks = [actor.remote() for _ in range(2)]
             port = _free_port()
             outcomes[case] = ray.get([a.run.remote(i, 2, port, STEPS, 120.0) for i, a in enumerate(ranks)], timeout=300)

@@ -15,11 +15,10 @@ import subprocess
 import sys
 import textwrap
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import STUBS, rank_pythonpath, require_framework
 
 VERSIONS = require_framework(
     "skyrl-train and skyrl side by side",
@@ -30,9 +29,8 @@ from fsdp_compat.testing.launch import RunResult  # noqa: E402
 from fsdp_compat.testing.parity import run_training  # noqa: E402
 from fsdp_compat.testing.skyrl_smoke import GRID_SAMPLER_CRASH  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
 #: this folder (the rank module) and the SkyRL tests' flash_attn stand-in
-RANK_PATH = os.pathsep.join([str(TESTS), str(TESTS.parent / "skyrl" / "_skyrl_stubs")])
+RANK_PATH = rank_pythonpath(STUBS)
 #: test-side oracle, written independently of the adapter's registry on purpose (FACTS.md section 5)
 UTILS = {
     "skyrl-train": "skyrl_train.distributed.fsdp_utils",
@@ -49,7 +47,7 @@ def _run(**env: str) -> RunResult:
     env = {"FSDP_COMPAT_TEST_LAYERS": LAYERS, **env}
     result = run_training(
         "glm4v",
-        "_skyrl_side_by_side_ranks:skyrl_side_by_side",
+        "lab.stacks.skyrl_side_by_side_ranks:skyrl_side_by_side",
         world_size=2,
         steps=2,
         timeout_s=240,
@@ -110,7 +108,7 @@ def test_outdated_wrap_list_trains_with_a_warning() -> None:
 
 _ORDER = """
     import importlib, json, logging, sys
-    import _skyrl_side_by_side_ranks as ranks          # interpreter workarounds only; imports no adapter
+    import lab.stacks.skyrl_side_by_side_ranks as ranks          # interpreter workarounds only; imports no adapter
     lines = []
     class H(logging.Handler):
         def emit(self, record):

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from _support import require_framework
+from lab.support import require_framework
 
 fsdp_module = require_framework(
     "transformers' native FSDP2", lambda: importlib.import_module("transformers.distributed.fsdp")

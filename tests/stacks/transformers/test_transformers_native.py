@@ -18,7 +18,7 @@ import importlib
 from pathlib import Path
 
 import pytest
-from _support import require_framework
+from lab.support import require_framework
 
 from fsdp_compat.policies import Auto, Legacy
 

@@ -1,19 +1,18 @@
 """TRL (``trl`` 1.16.0 from PyPI): tiny GLM4V trained by TRL's own ``SFTTrainer`` with ``fsdp_config={"version":
 2}`` on 2 gloo ranks (rank 0 an image batch, rank 1 a text-only one): the HF Trainer's ``Accelerator.prepare`` ->
 accelerate's ``fsdp2_prepare_model``, the path fsdp-compat's accelerate adapter patches. Rank code and how the
-Trainer takes accelerate's FSDP2 path on CPU: ``_trl_ranks.py``. Runs in the ``trl116`` tox env (the only one that
-collects this folder: a missing TRL fails).
+Trainer takes accelerate's FSDP2 path on CPU: ``lab.stacks.trl_ranks``. Runs in the ``trl116`` tox env (the only one
+that collects this folder: a missing TRL fails).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 
 require_framework("TRL's SFTTrainer", lambda: importlib.import_module("trl.trainer.sft_trainer"))
 
@@ -21,21 +20,18 @@ from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
-ACCELERATE_TESTS = TESTS.parent / "accelerate"
 MISMATCH = "Received data size doesn't match expected size"
 ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None, "FSDP_COMPAT_GUARD": None}
 OFF = {**ON, "FSDP_COMPAT": "off"}
 
 
 def run(variants: list[str], env: dict[str, str | None], tmp_path: Path, **cfg: Any) -> RunResult:
-    path = [str(TESTS), str(ACCELERATE_TESTS), os.environ.get("PYTHONPATH")]
     return run_ranks(
-        "_trl_ranks:sft_rank",
+        "lab.stacks.trl_ranks:sft_rank",
         {"model": "glm4v", "steps": 2, "variants": variants, "out": str(tmp_path), **cfg},
         world_size=2,
         timeout_s=300,
-        env={"PYTHONPATH": os.pathsep.join(p for p in path if p), **env},
+        env={"PYTHONPATH": rank_pythonpath(), **env},
     )
 
 

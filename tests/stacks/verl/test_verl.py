@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 

@@ -1,9 +1,9 @@
 """GLM4V through verl's REAL training engine: ``TrainingWorker(TrainingWorkerConfig(...)).reset()`` and
 ``train_batch`` (``forward_backward_batch`` + ``optimizer_step``), then ``engine.get_per_tensor_param()``.
 
-Ranks are fresh interpreters (``_verl_engine_ranks.py``, this folder) that never import fsdp_compat's adapter: the
+Ranks are fresh interpreters (``tests/lab/stacks/verl_engine_ranks.py``) that never import fsdp_compat's adapter: the
 installed wheel's ``.pth`` hook / ``verl.plugins`` entry point activate it, exactly as for a user. On CPU the
-test-side pieces are a platform registered through verl's public ``PlatformRegistry`` (``_verl_cpu_platform``,
+test-side pieces are a platform registered through verl's public ``PlatformRegistry`` (``lab.stacks.verl_cpu_platform``,
 verl >= 0.9.0) and, for the remove-padding recipe only, a pure-torch stand-in for flash-attn's varlen kernel
 (flash-attn needs CUDA; where verl stops without it is asserted). The tiny GLM4V is saved with ``save_pretrained``
 and loaded by verl itself (meta-device init on rank 1, ``apply_monkey_patch``, FSDP2, ``fsdp2_load_full_state_dict``).
@@ -22,11 +22,10 @@ import os
 import subprocess
 import sys
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -35,7 +34,6 @@ VERL = require_framework("verl", lambda: Version(metadata.version("verl")))
 from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 from fsdp_compat.testing.verl_smoke import GRID_SAMPLER_CRASH  # noqa: E402
 
-TESTS = Path(__file__).resolve().parent
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 TRANSFORMERS_5 = Version(metadata.version("transformers")).major >= 5
 SHAPE_CRASH = "AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'shape'"
@@ -114,13 +112,12 @@ def _launch(
     model_dir: str, cases: list[dict[str, Any]], env: dict[str, str], **dirs: str
 ) -> list[dict[str, Any]]:
     clean = {k: "" for k in ("FSDP_COMPAT", "FSDP_COMPAT_POLICY", "VERL_USE_EXTERNAL_MODULES")}
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     result: RunResult = run_ranks(
-        "_verl_engine_ranks:engine_ranks",
+        "lab.stacks.verl_engine_ranks:engine_ranks",
         {"model_dir": model_dir, "device": DEVICE, "cases": cases, **dirs},
         world_size=_world_size(),
         timeout_s=TIMEOUT_S,
-        env={**clean, "PYTHONPATH": os.pathsep.join([str(TESTS), *inherited]), **env},
+        env={**clean, "PYTHONPATH": rank_pythonpath(), **env},
     )
     result.raise_for_error()
     first = result.ranks[0].extra["cases"]
@@ -146,11 +143,10 @@ def on(model_dir: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def p14_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny GLM4V with a patch-14 vision tower: verl's text-only dummy (16 x 1176 patches) fits it."""
-    sys.path.insert(0, str(TESTS))
-    import _verl_engine_ranks
+    import lab.stacks.verl_engine_ranks as verl_engine_ranks
 
     path = tmp_path_factory.mktemp("glm4v-p14")
-    _verl_engine_ranks.build_glm4v_p14().save_pretrained(path)
+    verl_engine_ranks.build_glm4v_p14().save_pretrained(path)
     return str(path)
 
 
@@ -167,7 +163,7 @@ RECIPE = {"model_dir": "p14_dir", "kinds": ["image", "text"], "remove_padding": 
 RECIPE_RUNS = SpecifierSet(">=0.9.1").contains(VERL, prereleases=True)
 ROPE_IMPORT = "ImportError: cannot import name 'apply_multimodal_rotary_pos_emb' from 'transformers.models.glm4v"
 #: remove-padding attention needs flash-attn's varlen kernel (CUDA): on CPU the recipe runs with a pure-torch stand-in
-#: for it (``cpu_varlen_attention`` in _verl_engine_ranks.py), and without it records where verl stops
+#: for it (``cpu_varlen_attention`` in tests/lab/stacks/verl_engine_ranks.py), and without it records where verl stops
 RECIPE_CASES = [
     # no flash-attn and no stand-in: verl's own remove-padding attention cannot run (the stop is asserted)
     {"name": "recipe_no_flash", **RECIPE, "expect_failure": True, "same_stop": True},
@@ -386,8 +382,8 @@ def test_mixed_image_and_text_ranks_train_with_exact_parity(parity: list[dict[st
 
 
 def _probe(env: dict[str, str], probe: str = "forward_probe") -> dict[str, Any]:
-    code = f"import json, _verl_engine_ranks as r; print(json.dumps(r.{probe}()))"
-    full = {**os.environ, "PYTHONPATH": str(TESTS), "VERL_USE_EXTERNAL_PLUGINS": "none", **env}
+    code = f"import json, lab.stacks.verl_engine_ranks as r; print(json.dumps(r.{probe}()))"
+    full = {**os.environ, "PYTHONPATH": rank_pythonpath(), "VERL_USE_EXTERNAL_PLUGINS": "none", **env}
     full.pop("VERL_USE_EXTERNAL_MODULES", None)
     proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 from packaging.version import Version
 
 VERL = require_framework("verl", lambda: Version(metadata.version("verl")))
@@ -41,7 +41,7 @@ needs_selector = pytest.mark.skipif(
     Version("0.7.1") > VERL, reason=f"verl {VERL} has no _select_fsdp2_wrap_targets (0.7.1+)"
 )
 
-TESTS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent  # _verl_upstream, the vendored verl test
 NO_HOOKS = {"FSDP_COMPAT_AUTOLOAD": "0", "VERL_USE_EXTERNAL_PLUGINS": "none"}
 OUTDATED = "Qwen2OldDecoderLayer"  # a wrap-list entry that matches no module of the zoo models
 
@@ -50,7 +50,7 @@ EXPECTED_FAILURES: dict[str, str] = {}
 
 
 def _python(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    full_env = {**os.environ, **NO_HOOKS, "PYTHONPATH": str(TESTS), **(env or {})}
+    full_env = {**os.environ, **NO_HOOKS, "PYTHONPATH": rank_pythonpath(HERE), **(env or {})}
     full_env.pop("VERL_USE_EXTERNAL_MODULES", None)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True, timeout=300
@@ -168,11 +168,11 @@ def _train(model: str, env: dict[str, str]) -> Any:
     clean = {k: "" for k in ("FSDP_COMPAT", "FSDP_COMPAT_POLICY", "VERL_USE_EXTERNAL_MODULES")}
     return run_training(
         model,
-        "_verl_ranks:verl_outdated",
+        "lab.stacks.verl_ranks:verl_outdated",
         world_size=2,
         steps=2,
         timeout_s=240.0,
-        env={**clean, "PYTHONPATH": str(TESTS), "FSDP_COMPAT_VERL_LAYERS": OUTDATED, **env},
+        env={**clean, "PYTHONPATH": rank_pythonpath(HERE), "FSDP_COMPAT_VERL_LAYERS": OUTDATED, **env},
     )
 
 

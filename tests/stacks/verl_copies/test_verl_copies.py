@@ -5,23 +5,22 @@ model keeps exactly the copy's groups.
 
 The tox env names the copy under test (``FSDP_COMPAT_TEST_COPY``: a distribution of ``COPIES``; envs
 ``lmmsengine014``, ``siirl020``, ``trinityrft060``, label ``verl-copies``); a missing trainer fails the collection.
-Rank code is ``_copies_ranks.py`` (this folder).
+Rank code is ``tests/lab/stacks/verl_copies_ranks.py``.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from pathlib import Path
 
 import pytest
-from _support import require_framework
+from lab.support import rank_pythonpath, require_framework
 
 #: distribution -> (the module defining apply_fsdp2, the rank wrap fn that calls it)
 COPIES = {
-    "lmms-engine": ("lmms_engine.utils.fsdp2_utils", "_copies_ranks:wrap_lmms_engine"),
-    "siirl": ("siirl.utils.model_utils.fsdp_utils", "_copies_ranks:wrap_siirl"),
-    "trinity-rft": ("trinity.trainer.verl_legacy.utils", "_copies_ranks:wrap_trinity_rft"),
+    "lmms-engine": ("lmms_engine.utils.fsdp2_utils", "lab.stacks.verl_copies_ranks:wrap_lmms_engine"),
+    "siirl": ("siirl.utils.model_utils.fsdp_utils", "lab.stacks.verl_copies_ranks:wrap_siirl"),
+    "trinity-rft": ("trinity.trainer.verl_legacy.utils", "lab.stacks.verl_copies_ranks:wrap_trinity_rft"),
 }
 DISTRIBUTION = os.environ.get("FSDP_COMPAT_TEST_COPY", "")
 MODULE, WRAP = COPIES.get(DISTRIBUTION, ("", ""))
@@ -36,7 +35,6 @@ from fsdp_compat.testing.parity import run_training  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-TESTS = Path(__file__).resolve().parent
 GRID_SAMPLER = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
 MISMATCH = "Received data size doesn't match expected size"
 ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None}
@@ -44,7 +42,7 @@ ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHE
 
 def run(model: str, variants: list[str] | None = None, timeout_s: float = 240, **env: str | None):
     return run_training(
-        model, WRAP, steps=2, timeout_s=timeout_s, variants=variants, env={"PYTHONPATH": str(TESTS), **env}
+        model, WRAP, steps=2, timeout_s=timeout_s, variants=variants, env={"PYTHONPATH": rank_pythonpath(), **env}
     )
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lab.observe import LogLines, fsdp_groups
 from torch import nn
 from torch.distributed.fsdp import fully_shard  # bound by name at import, as such trainers do
 
 from fsdp_compat.testing.parity import init_group, runtime_counters
+from lab.observe import LogLines, fsdp_groups
 
 __all__ = ["apply_liger", "liger_rank", "own_apply_fsdp2_with_lm_head"]
 

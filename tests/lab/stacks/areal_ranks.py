@@ -1,6 +1,6 @@
 """Rank-side code for the AReaL tests: harness wrap fns that shard through AReaL's own FSDP2 code.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
 patches AReaL here is the ``.pth`` hook.
 """
 

@@ -1,11 +1,11 @@
 """Rank-side code for the TRL tests: tiny GLM4V trained by TRL's own ``SFTTrainer`` (the HF Trainer underneath:
 ``Accelerator.prepare`` -> accelerate's ``fsdp2_prepare_model``) with ``fsdp_config={"version": 2}`` on 2 gloo ranks.
 
-Imported in fresh rank interpreters, with this folder and ``tests/stacks/accelerate`` on PYTHONPATH (the accelerate
+Imported in fresh rank interpreters, with ``tests/`` on PYTHONPATH (the accelerate
 helpers: the GPU-type state, the log handler, the groups). It imports no fsdp_compat adapter: what patches accelerate
 here is the ``.pth`` hook. The Trainer builds its own ``Accelerator``; ``accelerator_config={"use_configured_state":
 True}`` (a documented TrainingArguments option) makes it use the ``PartialState`` built here, the one field of which
-is set to ``MULTI_GPU`` (``_accelerate_ranks.gpu_type_state``), so TRL/the Trainer take accelerate's FSDP2 path on CPU.
+is set to ``MULTI_GPU`` (``gpu_type_state``), so TRL/the Trainer take accelerate's FSDP2 path on CPU.
 
 No tokenizer or processor exists for the zoo's tiny model: a 128-token word-level tokenizer stands in (TRL requires
 one), dataset preparation is skipped, and the data collator hands each rank its zoo batch (rank 0 images, rank 1
@@ -21,9 +21,8 @@ import logging
 import os
 from typing import Any
 
-from _accelerate_ranks import LogLines, accelerate_env, fsdp_groups, gpu_type_state
-
 from fsdp_compat.testing.parity import Diff, full_tensor, init_group, reference_backward
+from lab.stacks.accelerate_ranks import LogLines, accelerate_env, fsdp_groups, gpu_type_state
 
 __all__ = ["sft_rank"]
 

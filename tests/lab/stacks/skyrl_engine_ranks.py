@@ -13,7 +13,7 @@ name SkyRL calls, which the adapter patches), the policy loss from ``PolicyLossR
 passes, plus its rank-0 broadcast of non-persistent buffers, on CPU; older releases broadcast each parameter from
 rank 0 by hand, which loads the same values).
 
-Imported only in fresh rank interpreters (this folder and its ``_skyrl_stubs`` on PYTHONPATH); it imports no
+Imported only in fresh rank interpreters (``tests/`` and ``tests/lab/stubs`` on PYTHONPATH); it imports no
 fsdp_compat adapter, so whatever patches SkyRL here is the ``.pth`` start-up hook.
 """
 
@@ -41,7 +41,7 @@ from fsdp_compat.testing.skyrl_smoke import _PACKAGES, installed_skyrl, probe
 #: Whether anything imported fsdp_compat's SkyRL adapter before this module (and with it SkyRL) loaded.
 ADAPTER_BEFORE_SKYRL = "fsdp_compat.adapters.skyrl" in sys.modules
 
-import _skyrl_ranks  # noqa: E402, F401  (Python 3.11 TypedDict workaround; may import SkyRL)
+import lab.stacks.skyrl_ranks as skyrl_ranks  # noqa: E402, F401  (Python 3.11 TypedDict workaround; may import SkyRL)
 
 #: Where each distribution keeps HFModelWrapper and the PPO loss registry.
 _WRAPPER = {"skyrl": "skyrl.backends.skyrl_train.workers.model_wrapper", "skyrl-train": "skyrl_train.model_wrapper"}

@@ -1,7 +1,7 @@
 """Rank-side wrap fn for the side-by-side tests: SkyRL's own ``fsdp_strategy.apply_fsdp2`` with both distributions
 imported, and fsdp-compat's log records captured, so a test can see the warning a job shows.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH); it imports no fsdp_compat adapter itself.
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH); it imports no fsdp_compat adapter itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import typing
 from typing import Any
 
-if sys.version_info < (3, 12):  # skyrl 0.2-0.4 on Python 3.11 (test-side workaround, see ../skyrl/_skyrl_ranks.py)
+if sys.version_info < (3, 12):  # skyrl 0.2-0.4 on Python 3.11 (test-side workaround, see skyrl_ranks.py)
     import typing_extensions
 
     typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]

@@ -1,7 +1,7 @@
 """Rank-side wrap fn for the outdated-wrap-list test: verl's own ``apply_fsdp2`` at its call site, with
 fsdp-compat's log records captured, so the test can see the warning a job shows.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH); it imports no fsdp_compat adapter itself.
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH); it imports no fsdp_compat adapter itself.
 """
 
 from __future__ import annotations

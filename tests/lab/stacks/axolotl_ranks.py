@@ -2,7 +2,7 @@
 accelerate's own ``Accelerator.prepare`` (which then calls axolotl's ``fsdp2_prepare_model``) and the data-parallel
 training of the accelerate tests.
 
-Imported in fresh rank interpreters, with this folder and ``tests/stacks/accelerate`` on PYTHONPATH. It imports no
+Imported in fresh rank interpreters, with ``tests/`` on PYTHONPATH. It imports no
 fsdp_compat adapter: what wraps axolotl's function here is the ``.pth`` hook (or nothing, with ``FSDP_COMPAT=off``).
 
 Where it stops, and why. axolotl's ``ModelLoader`` runs ``PatchManager(cfg, model_config).
@@ -14,7 +14,7 @@ method of axolotl's own ``PatchManager``, not the whole ``apply_pre_model_load_p
 and its trainer builders (GPU-only or network-bound dependencies this CPU test does not install). axolotl's trainer
 is the HF ``Trainer``, whose ``accelerator.prepare`` reaches ``Accelerator._prepare_fsdp2`` and the name
 ``accelerate.accelerator.fsdp2_prepare_model``; the test drives that same ``prepare`` directly (how a CPU gloo job
-gets accelerate's FSDP2 path: ``_accelerate_ranks.py``).
+gets accelerate's FSDP2 path: ``tests/lab/stacks/accelerate_ranks.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import sys
 from typing import Any
 
-from _accelerate_ranks import LogLines, accelerate_rank
+from lab.stacks.accelerate_ranks import LogLines, accelerate_rank
 
 __all__ = ["apply_axolotl_fsdp_patches", "axolotl_rank"]
 
@@ -51,7 +51,7 @@ def apply_axolotl_fsdp_patches(model_type: str) -> None:
 
 
 def axolotl_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    """axolotl's FSDP patches, then :func:`_accelerate_ranks.accelerate_rank` (accelerate's ``prepare``, this rank's
+    """axolotl's FSDP patches, then ``accelerate_rank`` (accelerate's ``prepare``, this rank's
     batch, the one-process reference). ``extra`` adds the whole log of this rank (``all_log``: the activation lines
     come when axolotl's modules load, before the accelerate helper attaches its handler) and whose function
     ``accelerate.accelerator`` calls (``binding``: module and name of the function under any fsdp-compat wrapper;

@@ -1,6 +1,6 @@
 """Rank-side code for the verl real-engine tests: verl's own ``TrainingWorker`` on the tiny GLM4V, case after case.
 
-Runs in fresh rank interpreters started by ``fsdp_compat.testing.launch.run_ranks`` (this folder on PYTHONPATH).
+Runs in fresh rank interpreters started by ``fsdp_compat.testing.launch.run_ranks`` (``tests/`` on PYTHONPATH).
 It never imports fsdp_compat's adapter: whatever patches verl here is the installed wheel's ``verl.plugins`` entry
 point or ``.pth`` hook. What each case does is what verl's SFT trainer does (``verl/trainer/sft_trainer.py``):
 ``TrainingWorker(TrainingWorkerConfig(...))``, ``set_loss_fn(partial(sft_loss, config=None))``, ``reset()``, then
@@ -8,7 +8,7 @@ point or ``.pth`` hook. What each case does is what verl's SFT trainer does (``v
 GLM4V position ids, per-sample ``multi_modal_inputs``); ``train_batch`` runs ``forward_backward_batch`` and
 ``optimizer_step``. Weight sync is ``engine.get_per_tensor_param()``.
 
-On CPU the only test-side piece is ``_verl_cpu_platform`` (verl's public platform registry) plus
+On CPU the only test-side piece is ``lab.stacks.verl_cpu_platform`` (verl's public platform registry) plus
 ``VERL_ENGINE_DEVICE=cuda`` (verl's documented engine-device override: the FSDP engine registers cuda/npu only);
 cases with ``flash_stand_in`` (``use_remove_padding=True``) also get a pure-torch stand-in for flash-attn's varlen
 kernel when flash-attn is not installed (:func:`install_flash_stand_in`).
@@ -65,7 +65,7 @@ def _setup(cfg: dict[str, Any], rank: int) -> str:
     else:
         os.environ["VERL_PLATFORM"] = "cpu"
         os.environ["VERL_ENGINE_DEVICE"] = "cuda"
-        import _verl_cpu_platform  # noqa: F401  (registers "cpu"; importing verl loads the plugins)
+        import lab.stacks.verl_cpu_platform as verl_cpu_platform  # noqa: F401  (registers "cpu"; importing verl loads the plugins)
 
         torch.set_num_threads(1)  # two ranks share the CPU cores
         backend = "gloo"

@@ -5,7 +5,7 @@ gets a row in the registry for the duration of the test.
 
 A helper module, not a conftest.py: a second conftest.py would replace ``conftest`` in ``sys.modules``, and test
 modules elsewhere import ``DEVICE`` from tests/conftest.py by that name. Test modules bind the fixtures
-(``_clean_env``, ``fw``) to their own names; this folder is on ``sys.path`` (pytest's prepend import mode).
+(``_clean_env``, ``fw``) to their own names; ``tests/`` is on ``sys.path`` (pytest's prepend import mode).
 """
 
 from __future__ import annotations

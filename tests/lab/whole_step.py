@@ -1,6 +1,6 @@
 """Rank routine of ``tests/runtime/test_whole_step.py``: the whole training step on ranks with and without images.
 
-Imported in each rank process as ``_whole_step_ranks:whole_step_rank`` (the test puts ``tests/core`` on the ranks'
+Imported in each rank process as ``lab.whole_step:whole_step_rank`` (the test puts ``tests/core`` on the ranks'
 ``PYTHONPATH``); it needs nothing from pytest. One run executes several cases in a row on one process group, each on
 fresh models, so that the rank start-up (torch, transformers) is paid once.
 """

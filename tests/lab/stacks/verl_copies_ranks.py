@@ -1,6 +1,6 @@
 """Rank-side code for the verl-copy tests: wrap fns that shard through each trainer's own ``apply_fsdp2``.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
 patches the trainer here is the ``.pth`` hook. Each fn imports ``apply_fsdp2`` by name from the trainer's module
 (as its trainer does) and passes what that trainer passes; fp32 everywhere (the parity is exact).
 """

@@ -1,7 +1,7 @@
 """Rank-side code for the NeMo Automodel tests: shard through NeMo's own ``parallelize_model`` (FSDP2) and compare
 data-parallel training against one process.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
 patches ``apply_fsdp2_sharding_recursively`` here is the ``.pth`` hook (or nothing, with ``FSDP_COMPAT=off``).
 
 NeMo's path, nothing replaced or mocked: ``MeshContext.build(FSDP2Config(...), world_size=2)`` builds NeMo's own
@@ -22,9 +22,8 @@ import os
 import sys
 from typing import Any
 
-from lab.observe import LogLines, fsdp_groups
-
 from fsdp_compat.testing.parity import Diff, init_group, reference_backward, runtime_counters
+from lab.observe import LogLines, fsdp_groups
 
 __all__ = ["LogLines", "fsdp_groups", "nemo_parallelize", "nemo_rank"]
 

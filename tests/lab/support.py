@@ -1,6 +1,7 @@
-"""What the test modules share: where the distributed tests run, and the framework a stack folder needs.
+"""What the test modules share: where the distributed tests run, the ranks' ``PYTHONPATH``, and the framework a stack
+folder needs.
 
-Importable as ``_support`` from every test module: pytest (``prepend`` import mode, the default) puts the folder of
+Importable as ``lab.support`` from every test module: pytest (``prepend`` import mode, the default) puts the folder of
 ``tests/conftest.py``, which has no ``__init__.py``, on ``sys.path`` before it collects anything; tests/conftest.py
 puts ``tests/`` on ``PYTHONPATH`` for every process a test starts. Test modules import settings from here, never from
 ``conftest`` (pytest's own module, which it may import under another name).
@@ -16,12 +17,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
 import torch
 
 T = TypeVar("T")
+
+#: ``tests/``: every rank routine, fake and stub the tests use lives under ``tests/lab`` and imports as ``lab.*``.
+TESTS = Path(__file__).resolve().parents[1]
+#: Stand-ins for modules a framework imports at module level but a CPU machine lacks (``flash_attn`` for SkyRL).
+STUBS = TESTS / "lab" / "stubs"
+
+
+def rank_pythonpath(*first: Path | str) -> str:
+    """The rank processes' ``PYTHONPATH``: ``first`` (e.g. :data:`STUBS`), ``tests/``, then the caller's own entries
+    (never an empty entry: that would put the working directory first)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ordered = [str(p) for p in (*first, TESTS)] + inherited
+    return os.pathsep.join(dict.fromkeys(ordered))
+
 
 #: The device of the distributed tests: ``cpu`` (gloo) or ``cuda`` (NCCL).
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")

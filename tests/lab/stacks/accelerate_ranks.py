@@ -1,7 +1,7 @@
 """Rank-side code for the accelerate tests: shard through accelerate's own ``Accelerator.prepare`` (FSDP2) and compare
 data-parallel training against one process.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH). It imports no fsdp_compat adapter, so whatever
 patches ``fsdp2_prepare_model`` here is the ``.pth`` hook (or nothing, with ``FSDP_COMPAT=off``).
 
 How a CPU machine gets accelerate's FSDP2 path. accelerate picks FSDP only on a GPU-type distributed state
@@ -25,9 +25,8 @@ import os
 import sys
 from typing import Any
 
-from lab.observe import LogLines, fsdp_groups
-
 from fsdp_compat.testing.parity import Diff, init_group, reference_backward, runtime_counters
+from lab.observe import LogLines, fsdp_groups
 
 __all__ = ["LogLines", "accelerate_env", "accelerate_rank", "build_fsdp2_accelerator", "fsdp_groups", "gpu_type_state"]
 

@@ -1,14 +1,14 @@
 """Rank-side code for the LLaMA-Factory tests: shard through LLaMA-Factory's FSDP2 engine and compare data-parallel
 training against one process.
 
-Imported in fresh rank interpreters (this folder on PYTHONPATH). :func:`engine_rank` imports no fsdp_compat adapter,
+Imported in fresh rank interpreters (``tests/`` on PYTHONPATH). :func:`engine_rank` imports no fsdp_compat adapter,
 so whatever patches ``FSDP2Engine.prepare_model`` there is the ``.pth`` hook (or nothing, with ``FSDP_COMPAT=off``).
 
 0.9.5's path is the one LLaMA-Factory's v1 ``BaseTrainer._shard_model`` takes: ``DistributedInterface`` (its process
 group and its 2-D ``(mp_replicate, mp_shard)`` model mesh, built from the torchrun variables set here; on a CPU-only
 machine it picks gloo and a CPU mesh), then ``DistributedPlugin("fsdp2")(model, dist_config, bf16=False)``, which
 builds an ``FSDP2Engine`` and calls ``shard_model`` -> ``prepare_model``. :func:`main_engine_rank` runs main's
-engine shape instead (``_llamafactory_main.py``, installed under the real module's name, then activated the way a
+engine shape instead (``lab.stacks.llamafactory_main``, installed under the real module's name, then activated the way a
 custom entry point does: ``import fsdp_compat.adapters.llamafactory``).
 """
 
@@ -64,12 +64,12 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """Shard zoo model ``cfg["model"]`` through LLaMA-Factory 0.9.5's ``fsdp2`` plugin and train it exactly against
     one process. ``extra``: the groups, whether the engine's ``prepare_model`` is fsdp-compat's, the differences."""
     _torchrun_env(cfg, rank)
-    from lab.transformers_smoke import fsdp_groups
     from llamafactory.v1.accelerator.interface import DistributedInterface
     from llamafactory.v1.config.arg_utils import PluginConfig
     from llamafactory.v1.plugins.trainer_plugins.distributed.hub import DistributedPlugin
 
     from fsdp_compat.testing.zoo import build_model
+    from lab.transformers_smoke import fsdp_groups
 
     interface = DistributedInterface()
     extra["mesh"] = str(interface.model_device_mesh)
@@ -84,7 +84,7 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
 def _install_main_shape() -> Any:
     """Main's engine shape under the real module's name (nothing has imported 0.9.5's), then the adapter."""
-    path = Path(__file__).with_name("_llamafactory_main.py")
+    path = Path(__file__).with_name("tests/lab/stacks/llamafactory_main.py")
     spec = importlib.util.spec_from_file_location(FSDP2_MODULE, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -105,9 +105,8 @@ def main_engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> N
 
     _torchrun_env(cfg, rank)
     main = _install_main_shape()
-    from lab.transformers_smoke import fsdp_groups
-
     from fsdp_compat.testing.zoo import build_model
+    from lab.transformers_smoke import fsdp_groups
 
     model = build_model(cfg["model"], seed=0)
     ignored = [name for name, _ in model.named_modules() if any(name == p for p in cfg.get("ignored", []))]

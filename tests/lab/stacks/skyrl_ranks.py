@@ -1,6 +1,6 @@
 """Rank-side code for the SkyRL tests: harness wrap fns and the Ray actor, with this machine's workarounds.
 
-Imported in fresh rank interpreters and Ray workers (this folder and its ``_skyrl_stubs`` on PYTHONPATH). It
+Imported in fresh rank interpreters and Ray workers (``tests/`` and ``tests/lab/stubs`` on PYTHONPATH). It
 imports no fsdp_compat adapter, so whatever patches SkyRL here is the ``.pth`` hook (or an explicit wrap fn).
 
 Test-only workarounds, never in the product:
@@ -90,8 +90,8 @@ class RayRank:
 
         cfg = {
             "model": "glm4v",
-            "wrap": "_skyrl_ranks:wrap_strategy",
-            "probe": "_skyrl_ranks:probe",
+            "wrap": "lab.stacks.skyrl_ranks:wrap_strategy",
+            "probe": "lab.stacks.skyrl_ranks:probe",
             "world_size": world_size,
             "steps": steps,
             "device": "cpu",
