@@ -27,7 +27,15 @@ _TESTS = str(Path(__file__).resolve().parents[1] / "tests")
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-__all__ = ["POLICY_ORDER", "fmt_bytes", "fmt_ratio", "format_table", "fsdp2_unsharded_estimate"]
+__all__ = [
+    "POLICY_ORDER",
+    "fmt_bytes",
+    "fmt_ratio",
+    "format_table",
+    "fsdp2_unsharded_estimate",
+    "join_cpu_group",
+    "qwen2_of",
+]
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -62,3 +70,43 @@ def fsdp2_unsharded_estimate(plan: Any) -> int:
     matches FSDP2's measured storage on every zoo model and policy."""
     sizes = plan.per_rank_bytes(2)
     return sizes["peak_forward"] - sizes["resident"]
+
+
+def join_cpu_group(cfg: dict[str, Any], rank: int, *, threads: int | None = None) -> int:
+    """A CPU rank of a benchmark: its share of the cores (or ``threads``), then the job's gloo group on
+    ``cfg["port"]`` with ``cfg["timeout_s"]``; returns the world size."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    world = int(cfg["world_size"])
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg["timeout_s"]),
+    )
+    return world
+
+
+def qwen2_of(spec: dict[str, int]) -> Any:
+    """A Qwen2ForCausalLM of the benchmark's shape ``spec`` (vocab, hidden, intermediate, layers, heads, kv_heads,
+    tokens), untied, the one text model the cost benchmarks time."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        max_position_embeddings=max(512, spec["tokens"]),
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    return Qwen2ForCausalLM(config)

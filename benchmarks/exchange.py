@@ -37,7 +37,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks import format_table
+from benchmarks import format_table, qwen2_of
 
 WORLDS = (2, 4, 8, 16, 32)
 EXTRAPOLATE_TO = 128
@@ -108,23 +108,6 @@ def _percentile(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------------------------------------- forwards, fits
 
 
-def _mid_model() -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=MID["vocab"],
-        hidden_size=MID["hidden"],
-        intermediate_size=MID["intermediate"],
-        num_hidden_layers=MID["layers"],
-        num_attention_heads=MID["heads"],
-        num_key_value_heads=MID["kv_heads"],
-        max_position_embeddings=max(512, MID["tokens"]),
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    return Qwen2ForCausalLM(config)
-
-
 class _Forwards:
     """The two comparison models on one device, timed a round at a time between the world sizes (shared load)."""
 
@@ -139,7 +122,7 @@ class _Forwards:
         mid_batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         self.models = {
             "tiny GLM4V": (build_model("glm4v", device=self.device).eval(), make_batch("glm4v", device=self.device)),
-            "mid Qwen2": (_mid_model().to(self.device).eval(), {k: v.to(self.device) for k, v in mid_batch.items()}),
+            "mid Qwen2": (qwen2_of(MID).to(self.device).eval(), {k: v.to(self.device) for k, v in mid_batch.items()}),
         }
         self.times: dict[str, list[float]] = {name: [] for name in self.models}
         self.round(2, keep=False)  # warm-up

@@ -52,7 +52,7 @@ from typing import Any
 
 from lab.guard_models import GuardModel
 
-from benchmarks import fmt_bytes, fmt_ratio, format_table
+from benchmarks import fmt_bytes, fmt_ratio, format_table, join_cpu_group, qwen2_of
 
 MODELS = {
     "glm4v": ("glm4v", ["position_embedding"]),
@@ -115,7 +115,6 @@ MICRO_REPEATS = 7
 
 
 def _bench_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
@@ -127,15 +126,7 @@ def _bench_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
-    world = cfg["world_size"]
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
+    world = join_cpu_group(cfg, rank)
     _install_instrumentation()
     mesh = init_device_mesh("cpu", (world,))
     name, leave = cfg["model"], cfg["leave"]
@@ -195,23 +186,6 @@ def _bench_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     dist.barrier()
 
 
-def _cost_model(spec: dict[str, int]) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=max(512, spec["tokens"]),
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    return Qwen2ForCausalLM(config)
-
-
 def _counting_mode() -> Any:
     """A ``TorchFunctionMode`` that counts the calls it sees (what the guard's mode would check) and runs them."""
     from torch.overrides import TorchFunctionMode
@@ -263,7 +237,6 @@ def _per_op_ns(modes: dict[str, Any], calls: int, repeats: int) -> dict[str, lis
 
 def _cost_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """One model, one rank: count the ops, time the per-op cost, then step the three copies interleaved."""
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
@@ -272,16 +245,8 @@ def _cost_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     from fsdp_compat.apply import apply_fsdp2
     from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
 
-    world = cfg["world_size"]
-    torch.set_num_threads(cfg["threads"] or max(1, (os.cpu_count() or 1) // world))
+    world = join_cpu_group(cfg, rank, threads=cfg["threads"])
     extra["threads"] = torch.get_num_threads()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
     mesh = init_device_mesh("cpu", (world,))
     spec = cfg["spec"]
     g = torch.Generator().manual_seed(0)
@@ -290,7 +255,7 @@ def _cost_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     models: dict[str, Any] = {}
     for variant in COST_VARIANTS:
         torch.manual_seed(0)  # the same weights in every copy
-        model = _cost_model(spec)
+        model = qwen2_of(spec)
         os.environ[ENV_GUARD] = "off" if variant == "off" else "on"
         apply_fsdp2(model, {"mesh": mesh})
         guard = guard_of(model)

@@ -31,26 +31,22 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks import fmt_ratio, format_table
+from benchmarks import fmt_ratio, format_table, join_cpu_group
 
 MODES = ("sync", "always", "off")
 MIXES = {"images everywhere": ("image", "image"), "no images": ("text", "text"), "mixed": ("image", "text")}
 
 
 def _rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.apply import apply_fsdp2
     from fsdp_compat.runtime.mixed_batches import install_mixed_batches, mixed_batches_of
     from fsdp_compat.testing.zoo import build_model, make_batch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg["world_size"]))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                            world_size=cfg["world_size"], timeout=timedelta(seconds=cfg["timeout_s"]))  # fmt: skip
+    join_cpu_group(cfg, rank)
     mesh = init_device_mesh("cpu", (cfg["world_size"],))
     os.environ["FSDP_COMPAT_MIXED_BATCHES"] = "off"  # apply_fsdp2 installs nothing; each copy gets its own mode
     copies = {}

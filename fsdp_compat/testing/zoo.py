@@ -598,93 +598,69 @@ def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor | None) -> torch
     )
 
 
-def _fused_lmhead_class() -> type[nn.Module]:
-    """A Qwen2ForCausalLM whose root forward reads ``self.lm_head.weight`` raw, as verl's fused kernels do."""
-    from transformers import Qwen2ForCausalLM
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _logits_fused(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+    """verl's fused kernels: ``lm_head.weight`` read raw, ``lm_head``'s own forward never runs."""
+    logits = F.linear(hidden, model.lm_head.weight)
+    return _next_token_loss(logits, labels), logits
 
-    class Qwen2FusedLmHeadForCausalLM(Qwen2ForCausalLM):
-        """Test model: logits = F.linear(hidden, self.lm_head.weight); lm_head's own forward never runs."""
+
+def _logits_weight_penalty(
+    model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None
+) -> tuple[Any, torch.Tensor]:
+    """A z-loss-like penalty: ``lm_head.weight`` read *after* ``lm_head``'s forward (1e-3 * mean of its squares)."""
+    logits = model.lm_head(hidden)
+    loss = _next_token_loss(logits, labels)
+    return (None if loss is None else loss + 1e-3 * model.lm_head.weight.pow(2).mean()), logits
+
+
+#: Test models whose root forward reads ``lm_head.weight`` itself, by class name: how the head is applied.
+_HEAD_READERS = {
+    "Qwen2FusedLmHeadForCausalLM": _logits_fused,
+    "Qwen2WeightPenaltyForCausalLM": _logits_weight_penalty,
+}
+_HEAD_READER_CLASSES: dict[str, type[nn.Module]] = {}
+
+
+def _head_reader_class(name: str) -> type[nn.Module]:
+    """A Qwen2ForCausalLM subclass named ``name`` (module-level, so it pickles by qualified name) whose forward
+    applies the head the way :data:`_HEAD_READERS` says; built once, when first asked for."""
+    if name not in _HEAD_READER_CLASSES:
+        from transformers import Qwen2ForCausalLM
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        apply_head = _HEAD_READERS[name]
 
         def forward(
-            self,
+            self: nn.Module,
             input_ids: torch.Tensor | None = None,
             attention_mask: torch.Tensor | None = None,
             labels: torch.Tensor | None = None,
             **kwargs: Any,
         ) -> CausalLMOutputWithPast:
             hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-            logits = F.linear(hidden, self.lm_head.weight)
-            return CausalLMOutputWithPast(loss=_next_token_loss(logits, labels), logits=logits)
+            loss, logits = apply_head(self, hidden, labels)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    Qwen2FusedLmHeadForCausalLM.__module__ = __name__
-    Qwen2FusedLmHeadForCausalLM.__qualname__ = "Qwen2FusedLmHeadForCausalLM"
-    return Qwen2FusedLmHeadForCausalLM
-
-
-_FUSED_CLASS: type[nn.Module] | None = None
+        namespace = {"forward": forward, "__module__": __name__, "__qualname__": name, "__doc__": apply_head.__doc__}
+        cls = type(name, (Qwen2ForCausalLM,), namespace)
+        _HEAD_READER_CLASSES[name] = cls
+    return _HEAD_READER_CLASSES[name]
 
 
 def __getattr__(name: str) -> Any:
-    # ``zoo.Qwen2FusedLmHeadForCausalLM`` resolves lazily so that pickling by qualified name works without
-    # importing transformers at module import.
-    if name == "Qwen2FusedLmHeadForCausalLM":
-        return _fused_class()
-    if name == "Qwen2WeightPenaltyForCausalLM":
-        return _zloss_type()
+    # the head-reader classes resolve lazily, so pickling by qualified name works without importing transformers
+    # at module import
+    if name in _HEAD_READERS:
+        return _head_reader_class(name)
     raise AttributeError(name)
 
 
-def _fused_class() -> type[nn.Module]:
-    global _FUSED_CLASS
-    if _FUSED_CLASS is None:
-        _FUSED_CLASS = _fused_lmhead_class()
-    return _FUSED_CLASS
-
-
 def _qwen2_fused() -> nn.Module:
-    return _fused_class()(_qwen2_config())
-
-
-def _zloss_class() -> type[nn.Module]:
-    """A Qwen2ForCausalLM whose root forward reads ``self.lm_head.weight`` *after* calling ``self.lm_head``."""
-    from transformers import Qwen2ForCausalLM
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    class Qwen2WeightPenaltyForCausalLM(Qwen2ForCausalLM):
-        """Test model: loss = cross entropy + 1e-3 * mean(lm_head.weight ** 2), read after lm_head's forward."""
-
-        def forward(
-            self,
-            input_ids: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None,
-            labels: torch.Tensor | None = None,
-            **kwargs: Any,
-        ) -> CausalLMOutputWithPast:
-            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-            logits = self.lm_head(hidden)
-            loss = _next_token_loss(logits, labels)
-            if loss is not None:
-                loss = loss + 1e-3 * self.lm_head.weight.pow(2).mean()
-            return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-    Qwen2WeightPenaltyForCausalLM.__module__ = __name__
-    Qwen2WeightPenaltyForCausalLM.__qualname__ = "Qwen2WeightPenaltyForCausalLM"
-    return Qwen2WeightPenaltyForCausalLM
-
-
-_ZLOSS_CLASS: type[nn.Module] | None = None
-
-
-def _zloss_type() -> type[nn.Module]:
-    global _ZLOSS_CLASS
-    if _ZLOSS_CLASS is None:
-        _ZLOSS_CLASS = _zloss_class()
-    return _ZLOSS_CLASS
+    return _head_reader_class("Qwen2FusedLmHeadForCausalLM")(_qwen2_config())
 
 
 def _qwen2_zloss() -> nn.Module:
-    return _zloss_type()(_qwen2_config())
+    return _head_reader_class("Qwen2WeightPenaltyForCausalLM")(_qwen2_config())
 
 
 def _gemma3n() -> nn.Module:
