@@ -98,10 +98,18 @@ def check_groups(tree: Any, events: list[Any], groups: list[tuple[tuple[str, ...
 def unsafe_groups(framework: str, model: Any, found: tuple[Any, list[Any]] | None) -> list[tuple[str, str]] | None:
     """(group, why) for each of the FSDP2 groups below ``model``'s root that the evidence ``found`` shows read while
     sharded; None (one warning) when no evidence could be read or the check failed."""
+    return _checked(framework, model, found)[0]
+
+
+def _checked(
+    framework: str, model: Any, found: tuple[Any, list[Any]] | None
+) -> tuple[list[tuple[str, str]] | None, int]:
+    """:func:`unsafe_groups`, and how many groups were checked (the groups are read once)."""
     if found is None:
-        return None
+        return None, 0
     try:
-        return check_groups(*found, sharded_groups(model))
+        groups = sharded_groups(model)
+        return check_groups(*found, groups), len(groups)
     except Exception as exc:
         logger.warning(
             "%s: the safety check of %s's FSDP2 groups failed (%s: %s); they are kept as they are, with "
@@ -111,7 +119,7 @@ def unsafe_groups(framework: str, model: Any, found: tuple[Any, list[Any]] | Non
             type(exc).__name__,
             exc,
         )
-        return None
+        return None, 0
 
 
 def report(
@@ -120,11 +128,10 @@ def report(
     """Check the framework's groups below ``model``'s root and say so on rank 0 (never raises: a failing check
     warns); returns what :func:`unsafe_groups` found. ``advice``: how a user keeps an unsafe module out of this
     framework's groups; ``installed``: what the INFO line says was installed."""
-    unsafe = unsafe_groups(framework, model, found)
+    unsafe, count = _checked(framework, model, found)
     if unsafe is None or not is_rank_zero():
         return unsafe
     name = type(root_module(model)).__name__.removeprefix("FSDP")
-    count = len(sharded_groups(model))
     if not unsafe:
         logger.info(
             "%s: %s: %s's %d FSDP2 groups below the root pass fsdp-compat's safety check (kept as they are); %s",
