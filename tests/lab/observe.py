@@ -10,14 +10,16 @@ __all__ = ["LogLines", "fsdp_groups"]
 
 
 class LogLines(logging.Handler):
-    """Keeps fsdp-compat's log lines of this rank (the activation line comes when the framework's module loads)."""
+    """Keeps fsdp-compat's log lines of this rank (the activation line comes when the framework's module loads);
+    ``levels``: each line starts with its level name (``WARNING ...``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, levels: bool = False) -> None:
         super().__init__(logging.DEBUG)
+        self.levels = levels
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        self.lines.append(f"{record.levelname} {record.getMessage()}" if self.levels else record.getMessage())
 
 
 def fsdp_groups(model: Any) -> list[list[str]]:

@@ -13,6 +13,8 @@ import sys
 import typing
 from typing import Any
 
+from lab.observe import LogLines
+
 if sys.version_info < (3, 12):  # skyrl 0.2-0.4 on Python 3.11 (test-side workaround, see skyrl_ranks.py)
     import typing_extensions
 
@@ -25,17 +27,10 @@ ENV_LAYERS = "FSDP_COMPAT_TEST_LAYERS"  # the wrap list SkyRL's config names (co
 PACKAGES = {"skyrl-train": "skyrl_train.distributed", "skyrl": "skyrl.backends.skyrl_train.distributed"}
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def _capture() -> _Records:
-    handler = _Records()
+def _capture() -> LogLines:
+    handler = LogLines(levels=True)
     logging.getLogger("fsdp_compat").addHandler(handler)
     return handler
 

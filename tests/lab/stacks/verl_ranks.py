@@ -9,19 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
+from lab.observe import LogLines
 
 
 def verl_outdated(model: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
     """verl's own ``apply_fsdp2`` at its call site (``FSDP_COMPAT_VERL_LAYERS`` names the wrap list)."""
-    records = _Records()
+    records = LogLines(levels=True)
     logging.getLogger("fsdp_compat").addHandler(records)
     from fsdp_compat.testing.verl_smoke import wrap_verl
 
