@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fsdp_compat.activation import logger
+from fsdp_compat.log import logger
 from fsdp_compat.paths import within
 from fsdp_compat.policies import Policy
 

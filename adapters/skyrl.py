@@ -26,7 +26,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fsdp_compat.activation import Reexport, Release, Replacement, declare, logger
+from fsdp_compat.activation import Reexport, Release, Replacement, declare
+from fsdp_compat.log import logger
 from fsdp_compat.policies import Policy
 
 from . import trigger

@@ -133,7 +133,7 @@ def _fixed(model: Any, fsdp_plan: dict[str, str], original: Callable[..., Any], 
     from the module that defines ``original``."""
     import sys
 
-    from fsdp_compat.activation import logger
+    from fsdp_compat.log import logger
 
     if not fsdp_plan or not policy.analyzed:
         return fsdp_plan

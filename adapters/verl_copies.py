@@ -48,7 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_compat.activation import Release, Replacement, declare, logger
+from fsdp_compat.activation import Release, Replacement, declare
+from fsdp_compat.log import logger
 from fsdp_compat.policies import Policy
 
 from . import trigger

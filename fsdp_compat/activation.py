@@ -23,7 +23,6 @@ installed side by side are two transactions and two log lines). Imports no torch
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import warnings
@@ -49,6 +48,7 @@ from fsdp_compat._autoload import (
 )
 from fsdp_compat.adapter_index import ADAPTERS, AdapterEntry
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.log import logger
 from fsdp_compat.patching import Applied, Patch, Reexport, Replacement, apply, import_modules
 from fsdp_compat.policies import POLICY_NAMES, Policy, resolve_policy
 
@@ -84,49 +84,6 @@ class FsdpCompatWarning(UserWarning):
 def policy_from_env() -> str:
     """The policy that ``FSDP_COMPAT_POLICY`` names (default "auto"); a bad name raises, listing the valid."""
     return switches.choice(ENV_POLICY, POLICY_NAMES, "auto", what="a policy name", strict=True)
-
-
-# ---------------------------------------------------------------------------------------------------- logging
-
-logger = logging.getLogger("fsdp_compat")
-
-
-class _Prefix(logging.Filter):
-    """Puts ``fsdp-compat:`` into the message itself, so any handler's format (verl's, Ray's) shows the package;
-    ``FSDP_COMPAT_LOG=quiet`` drops INFO and below (read at emit time)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and not record.msg.startswith(PREFIX):
-            record.msg = f"{PREFIX} {record.msg}"
-        return record.levelno >= logging.WARNING or not _autoload.quiet()
-
-
-class _DefaultStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Shows fsdp-compat records on stderr while the application configured no logging of its own.
-
-    Once the root logger has handlers, records only propagate to them: nothing is printed twice, and an
-    application's own configuration (level, format, destination) wins.
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if logger.propagate and logging.getLogger().handlers:
-            return
-        self.stream = sys.stderr  # the current stderr (pytest, Ray and notebooks swap it)
-        super().emit(record)
-
-
-def _setup_logger() -> None:
-    if not any(isinstance(h, _DefaultStderrHandler) for h in logger.handlers):
-        handler = _DefaultStderrHandler()
-        handler.setFormatter(logging.Formatter("%(message)s [%(levelname)s, pid %(process)d]"))
-        logger.addHandler(handler)
-    if not any(isinstance(f, _Prefix) for f in logger.filters):
-        logger.addFilter(_Prefix())
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-
-
-_setup_logger()
 
 
 # ----------------------------------------------------------------------------------------------- declarations

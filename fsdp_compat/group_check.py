@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_compat.activation import logger
+from fsdp_compat.log import logger
 
 __all__ = ["check_groups", "evidence", "is_rank_zero", "report", "root_module", "sharded_groups", "unsafe_groups"]
 

@@ -12,7 +12,6 @@ group. Only :mod:`fsdp_compat.apply` touches torch.distributed.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from torch import nn
 
 from fsdp_compat.analysis import RawRead, find_raw_reads
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.log import logger
 from fsdp_compat.policies import Auto, InputOnly, LayersOnly, Legacy, Policy, resolve_policy
 from fsdp_compat.safety import (
     GroupSpec,
@@ -555,7 +555,7 @@ def plan_wrap(model: nn.Module, layer_classes: LayerClasses = None, *, policy: s
     cliff = _opaque_cliff(tree, root_entries, type(model).__name__)
     if cliff:
         warnings.append(cliff)
-        logging.getLogger("fsdp_compat").warning("fsdp-compat: %s", cliff)
+        logger.warning("%s", cliff)
     return WrapPlan(
         model_class=type(model).__name__,
         policy=chosen_policy.name,

@@ -105,8 +105,8 @@ def _has_inner_groups(root: Any) -> bool:
 
 def _check(root: Any, policy: Policy) -> bool:
     """Check the groups below ``root`` and log the verdict (rank 0); returns whether the guard must be armed."""
-    from fsdp_compat.activation import logger
     from fsdp_compat.group_check import evidence, is_rank_zero, sharded_groups, unsafe_groups
+    from fsdp_compat.log import logger
     if not policy.analyzed:
         return True  # legacy & co: no analysis, so nothing is ruled out
     name = type(root).__name__.removeprefix("FSDP")
@@ -163,6 +163,6 @@ def _warn_once(key: str, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    from fsdp_compat.activation import logger
+    from fsdp_compat.log import logger
 
     logger.warning(message)

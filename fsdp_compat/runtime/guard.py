@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import functools
 import itertools
-import logging
 import os
 import sys
 import weakref
@@ -45,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.log import logger
 from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.process_world import PerWorld, job_timeout
 from fsdp_compat.runtime.torch_versions import GUARD_MIN_TORCH, guard_supports
@@ -60,7 +60,6 @@ ENV_GUARD = switches.GUARD
 # How long a rank about to unshard at a read waits for every rank of the group to reach the same read (seconds).
 ENV_AGREE_S = switches.GUARD_AGREE_S
 _AGREE_S_DEFAULT = 60.0
-logger = logging.getLogger("fsdp_compat")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep

@@ -54,7 +54,6 @@ unsharded, and ``generate`` still defaults to ``synced_gpus``).
 from __future__ import annotations
 
 import inspect
-import logging
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -65,6 +64,7 @@ from torch import nn
 
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
+from fsdp_compat.log import logger
 from fsdp_compat.runtime import exchange as wire
 from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.exchange import column as _column
@@ -96,7 +96,6 @@ __all__ = [
 
 ENV_MIXED_BATCHES = switches.MIXED_BATCHES
 MODES = switches.MIXED_BATCHES_MODES
-logger = logging.getLogger("fsdp_compat")
 
 # Attribute names of vision towers in vision-language models outside the table (LLaVA, Gemma3, Idefics, Video-LLaVA's
 # image_tower, ...), of image tokenizers (Chameleon, Emu3: a VQ-VAE whose blocks are FSDP2 groups of their own, run
