@@ -39,11 +39,13 @@ from typing import Any
 
 from packaging.version import Version
 
-from fsdp_compat.activation import Release, Replacement, declare, logger
+from fsdp_compat.activation import Release, Replacement, declare
+from fsdp_compat.log import logger
 from fsdp_compat.policies import Policy
 
 from . import trigger
 from ._selection import configured_wrap_list, layer_class_names
+from .verl_glm4v import QWEN2_VL_REPAIRS as QWEN2_VL_FORWARD
 from .verl_glm4v import REPAIRS as GLM4V_FORWARD
 
 __all__ = [
@@ -224,8 +226,11 @@ RELEASES: tuple[Release, ...] = (
     Release(">=0.4.0,<0.5.0", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT))),
     Release(">=0.5.0,<0.6.0", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE_05))),
     Release(">=0.6.0,<0.7.1", _selection("apply_fsdp2", make_apply_fsdp2, (_WORKERS, _SFT, _ENGINE))),
-    # + verl's GLM4V forward on transformers 5 (fsdp_compat.adapters.verl_glm4v; left out on transformers 4)
-    Release(">=0.7.1", _selection("_select_fsdp2_wrap_targets", make_select_fsdp2_wrap_targets) + GLM4V_FORWARD),
+    # + verl's Qwen2-VL and GLM4V forwards on transformers 5 (fsdp_compat.adapters.verl_glm4v; left out on 4.x)
+    Release(
+        ">=0.7.1",
+        _selection("_select_fsdp2_wrap_targets", make_select_fsdp2_wrap_targets) + QWEN2_VL_FORWARD + GLM4V_FORWARD,
+    ),
 )
 
 

@@ -26,12 +26,28 @@ from typing import Any
 
 from packaging.version import Version
 
-from fsdp_compat.activation import Replacement, logger
+from fsdp_compat.activation import Replacement
+from fsdp_compat.log import logger
 from fsdp_compat.policies import Policy
 
-__all__ = ["GLM4V_MODULE", "REPAIRS", "make_get_input_embeds", "transformers_5", "vision_features"]
+__all__ = [
+    "GLM4V_MODULE",
+    "QWEN2_VL_MODULE",
+    "QWEN2_VL_REPAIRS",
+    "REPAIRS",
+    "make_get_input_embeds",
+    "make_qwen2_vl_get_input_embeds",
+    "transformers_5",
+    "vision_features",
+]
 
 GLM4V_MODULE = "verl.models.transformers.glm4v"
+#: verl's Qwen2-VL / Qwen2.5-VL forward (0.9.1): its image and video paths unpack the tower's output
+#: (``unpack_visual_output``), but its text-only path (the dummy for "mixed text-image data") does
+#: ``model.visual(zeros, grid_thw=[[1, 4, 4]])`` then ``.mean()`` on the output: on transformers 5 every text-only
+#: micro-batch fails with ``AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'mean'``. With the
+#: repair the tower's output is its features there too (``unpack_visual_output`` of a tensor is the tensor).
+QWEN2_VL_MODULE = "verl.models.transformers.qwen2_vl"
 
 
 def vision_features(output: Any) -> Any:
@@ -44,7 +60,9 @@ def _features_hook(_module: Any, _args: Any, output: Any) -> Any:
     return vision_features(output)
 
 
-def make_get_input_embeds(original: Callable[..., Any], policy: Policy | None = None) -> Callable[..., Any]:
+def make_get_input_embeds(
+    original: Callable[..., Any], policy: Policy | None = None, module: str = GLM4V_MODULE
+) -> Callable[..., Any]:
     """verl's ``_get_input_embeds(model, input_ids, ...)`` with ``model.visual`` returning its features (a repair:
     the same under every policy)."""
 
@@ -60,11 +78,16 @@ def make_get_input_embeds(original: Callable[..., Any], policy: Policy | None = 
 
     _get_input_embeds.__fsdp_compat__ = True  # type: ignore[attr-defined]
     logger.info(
-        "fsdp-compat: repaired %s._get_input_embeds (the GLM4V vision tower's pooler_output is its features on "
+        "fsdp-compat: repaired %s._get_input_embeds (the vision tower's pooler_output is its features on "
         "transformers 5)",
-        GLM4V_MODULE,
+        module,
     )
     return _get_input_embeds
+
+
+def make_qwen2_vl_get_input_embeds(original: Callable[..., Any], policy: Policy | None = None) -> Callable[..., Any]:
+    """The same repair for verl's Qwen2-VL / Qwen2.5-VL forward (:data:`QWEN2_VL_MODULE`)."""
+    return make_get_input_embeds(original, policy, QWEN2_VL_MODULE)
 
 
 def transformers_5() -> bool:
@@ -81,4 +104,16 @@ def transformers_5() -> bool:
 #: repair is in place when verl's GLM4V forward is used before anything imported ``verl.utils.fsdp_utils``.
 REPAIRS: tuple[Replacement, ...] = (
     Replacement(GLM4V_MODULE, "_get_input_embeds", make_get_input_embeds, deferred=True, when=transformers_5),
+)
+#: the same for verl's Qwen2-VL / Qwen2.5-VL forward (deferred likewise: applied when ``apply_monkey_patch`` meets
+#: a Qwen2-VL or Qwen2.5-VL model)
+QWEN2_VL_REPAIRS: tuple[Replacement, ...] = (
+    Replacement(
+        QWEN2_VL_MODULE,
+        "_get_input_embeds",
+        make_qwen2_vl_get_input_embeds,
+        optional=True,  # read in 0.9.1 only: a release without the function keeps its module as it is
+        deferred=True,
+        when=transformers_5,
+    ),
 )

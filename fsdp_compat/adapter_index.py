@@ -69,7 +69,8 @@ ADAPTERS: dict[str, AdapterEntry] = {
     "verl": AdapterEntry(
         "fsdp_compat.adapters.verl",
         {"verl": ("verl.utils.fsdp_utils", ">=0.4.0,<0.10.0a0")},
-        {"verl.models.transformers.glm4v": "verl"},  # the GLM4V forward repair of verl's table (deferred)
+        # the GLM4V and Qwen2-VL forward repairs of verl's table (deferred)
+        {"verl.models.transformers.glm4v": "verl", "verl.models.transformers.qwen2_vl": "verl"},
     ),
     "skyrl": AdapterEntry(
         "fsdp_compat.adapters.skyrl",

@@ -74,7 +74,7 @@ def _setup(cfg: dict[str, Any], rank: int) -> str:
         init_method=f"tcp://127.0.0.1:{cfg['port']}",
         rank=rank,
         world_size=world,
-        timeout=timedelta(seconds=cfg["timeout_s"]),
+        timeout=timedelta(seconds=cfg.get("collective_timeout_s", cfg["timeout_s"])),
     )
     return backend
 

@@ -37,6 +37,8 @@ from fsdp_compat.testing.verl_smoke import GRID_SAMPLER_CRASH  # noqa: E402
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 TRANSFORMERS_5 = Version(metadata.version("transformers")).major >= 5
 SHAPE_CRASH = "AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'shape'"
+#: verl 0.9.1's Qwen2-VL text-only dummy on transformers 5 (``.mean()`` of the tower's output)
+MEAN_CRASH = "AttributeError: 'BaseModelOutputWithPooling' object has no attribute 'mean'"
 ROPE_CRASH_TF4 = (
     "RuntimeError: The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 0"
 )
@@ -547,3 +549,33 @@ def test_recipe_remove_padding_bf16_mixed_ranks_trains_with_exact_parity(parity:
     for step in reference["steps"]:
         assert step["vision_calls"] == [PATCHES["image"], DUMMY], step
         assert step["grad_norm_vision"] > 0.0, step
+
+
+# ------------------------------------------------------------------- verl's Qwen2-VL forward, one process, no FSDP
+
+
+def _qwen_probe(env: dict[str, str]) -> dict[str, Any]:
+    code = "import json, lab.stacks.verl_ulysses_ranks as r; print(json.dumps(r.qwen_forward_probe()))"
+    full = {**os.environ, "PYTHONPATH": rank_pythonpath(), "VERL_USE_EXTERNAL_PLUGINS": "none", **env}
+    full.pop("VERL_USE_EXTERNAL_MODULES", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(
+    not (TRANSFORMERS_5 and SpecifierSet(">=0.9.1").contains(VERL, prereleases=True)),
+    reason=f"verl {VERL}: the Qwen2-VL forward with the text-only dummy is 0.9.1's, on transformers 5",
+)
+def test_qwen_forward_text_only_is_repaired() -> None:
+    """What verl's engine runs for Qwen2.5-VL (test_verl_ulysses.py), in one process without FSDP: verl's Qwen2.5-VL
+    forward on a text-only
+    micro-batch fails in verl's own dummy on transformers 5 (FSDP_COMPAT=off); with fsdp-compat installed it gives
+    transformers' own logits bit for bit, on the image micro-batch too (the repair changes nothing else)."""
+    off = _qwen_probe({"FSDP_COMPAT": "off"})
+    assert not off["state"]["patched"] and not off["state"]["qwen2_vl_repaired"], off["state"]
+    assert off["text"] == {"error": MEAN_CRASH}, off
+    assert off["image"] == {"max_abs_logit_diff": 0.0}, off  # verl's image path unpacks the output itself
+    on = _qwen_probe({"FSDP_COMPAT": ""})
+    assert on["state"]["patched"] and on["state"]["qwen2_vl_repaired"], on["state"]
+    assert on["text"] == {"max_abs_logit_diff": 0.0} and on["image"] == {"max_abs_logit_diff": 0.0}, on
