@@ -73,6 +73,7 @@ class RunResult:
 
     ranks: list[RankResult]
     seconds: float = math.nan  # wall time of the whole run, start-up included
+    relaunches: int = 0  # launches thrown away because another process took the chosen port before rank 0 bound it
 
     @property
     def ok(self) -> bool:
@@ -227,6 +228,12 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return text[-limit:]
 
 
+#: How often :func:`run_ranks` relaunches when the port it chose was taken before rank 0 could bind it (another
+#: process's socket in the moment between choosing and binding; seen on a busy machine).
+_PORT_RELAUNCHES = 2
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
 def run_ranks(
     body: str,
     cfg: dict[str, Any],
@@ -238,11 +245,37 @@ def run_ranks(
 ) -> RunResult:
     """Run ``body(cfg, rank, extra)`` ("package.module:function", see :func:`rank_entry`) on ``world_size``
     fresh ranks under one deadline; the rank code gets ``cfg`` plus ``world_size``, ``timeout_s`` and a free
-    ``port`` for its process group. A rank that fails gets the others killed shortly after; all are reaped."""
+    ``port`` for its process group. A rank that fails gets the others killed shortly after; all are reaped. Where
+    the chosen port was taken before rank 0 bound it (``EADDRINUSE``), the ranks are started again on another port,
+    within the same deadline (``RunResult.relaunches``)."""
     start = time.monotonic()
     deadline = start + timeout_s
-    cfg = {**cfg, "world_size": world_size, "timeout_s": timeout_s, "port": _free_port()}
     child_env = _child_env(env)
+    relaunches = 0
+    while True:
+        run_cfg = {**cfg, "world_size": world_size, "timeout_s": timeout_s, "port": _free_port()}
+        ranks = _launch(body, run_cfg, world_size, deadline, child_env, python)
+        if relaunches >= _PORT_RELAUNCHES or time.monotonic() >= deadline or not _port_taken(ranks):
+            return RunResult(ranks=ranks, seconds=time.monotonic() - start, relaunches=relaunches)
+        relaunches += 1
+
+
+def _port_taken(ranks: list[RankResult]) -> bool:
+    """Whether the run failed because its rendezvous port was taken (then nothing of the body's work was done)."""
+    return any(not r.ok and any(s in (r.error or "") for s in _PORT_TAKEN) for r in ranks)
+
+
+def _launch(
+    body: str,
+    cfg: dict[str, Any],
+    world_size: int,
+    deadline: float,
+    child_env: dict[str, str],
+    python: str | None,
+) -> list[RankResult]:
+    """One launch of :func:`run_ranks`: start the ranks, wait for them (or the first failure, or the deadline),
+    reap them all and collect what each reported."""
+    timeout_s = cfg["timeout_s"]
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="fsdp_compat_run_") as tmp:
         work = Path(tmp)
@@ -273,8 +306,7 @@ def run_ranks(
         finally:
             for p in procs:
                 _kill_group(p)
-        ranks = [_collect(work, rank, p, killed_reason.get(rank)) for rank, p in enumerate(procs)]
-    return RunResult(ranks=ranks, seconds=time.monotonic() - start)
+        return [_collect(work, rank, p, killed_reason.get(rank)) for rank, p in enumerate(procs)]
 
 
 def _collect(work: Path, rank: int, proc: subprocess.Popen[bytes], killed: str | None) -> RankResult:

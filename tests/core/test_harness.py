@@ -241,3 +241,33 @@ def test_comparator_counts_a_missing_side_and_a_wrong_shape_as_inf() -> None:
     assert lenient.abs == 0.0
     lenient.add("s", None, torch.tensor([0.5]))
     assert lenient.abs == 0.5 and lenient.where == "s"
+
+
+@pytest.mark.parametrize("relaunches", [0, 2])
+def test_a_port_taken_before_rank_0_binds_it_is_relaunched_on_another(
+    monkeypatch: pytest.MonkeyPatch, relaunches: int
+) -> None:
+    """The port run_ranks chose is taken by another process before rank 0's store binds it (seen on a busy
+    machine: ``EADDRINUSE``): the ranks start again on another port. Without relaunches the same run fails."""
+    import socket
+
+    from fsdp_compat.testing import launch
+
+    taker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taker.bind(("127.0.0.1", 0))
+    taker.listen()
+    chosen = iter([int(taker.getsockname()[1])])
+    real = launch._free_port
+    monkeypatch.setattr(launch, "_free_port", lambda: next(chosen, None) or real())
+    monkeypatch.setattr(launch, "_PORT_RELAUNCHES", relaunches)
+    try:
+        run = launch.run_ranks("lab.exchange_ranks:exchange_rank", {"job_timeout_s": 30}, world_size=2, timeout_s=120)
+    finally:
+        taker.close()
+    if relaunches:
+        run.raise_for_error()
+        assert run.relaunches == 1
+        assert run.ranks[1].extra["world"] == {"0": [0, 1], "1": [1, 11]}
+    else:
+        assert not run.ok and run.relaunches == 0
+        assert "address already in use" in (run.error or "").lower() or "EADDRINUSE" in (run.error or "")
