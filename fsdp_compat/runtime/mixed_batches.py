@@ -37,13 +37,15 @@ FSDP-managed modules), so ranks that stop at different lengths keep running forw
 
 Families are one table (:data:`FAMILIES`, :mod:`fsdp_compat.runtime.vlm_families`): the inner model classes that hold a
 vision tower and a text model, the vision inputs they take, and the dummy builder of their tower kind (a patch grid,
-a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A row may name an audio encoder too (the Qwen
-omni thinkers): its calls are a second count in the same exchange, and its dummies run where the forward runs its
-audio, before the vision tower. A model whose forward is not transformers'
-own (verl replaces the GLM4V and Qwen-VL forwards with ones that run their own dummy) is left alone. A
-vision-language model outside the table whose vision tower is sharded gets the same exchange and, where ranks
-differ, one :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks and the
-fix, instead of a hang.
+a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A row may name an audio encoder too (the omni
+families) and a video path of its own (Video-LLaVA's second tower, Nemotron-H Omni's video projection): each is a
+count of its own in the same exchange, and its dummies run where the forward runs that medium (the Qwen thinkers'
+audio before the vision tower, other audio and videos after it). A row may also name a projector the forward applies
+to the tower's output outside ``get_image_features`` (Llama4): the dummy's features pass through it. A model whose
+forward is not transformers' own (verl replaces the GLM4V and Qwen-VL forwards with ones that run their own dummy) is
+left alone. A vision-language model outside the table whose vision tower is sharded gets the same exchange and,
+where ranks differ, one :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks
+and the fix, instead of a hang.
 
 ``FSDP_COMPAT_MIXED_BATCHES``: ``sync`` (default, as above), ``always`` (no exchange: every rank runs the tower at
 least once per forward, on a dummy where it has no input, as verl does; for image-only jobs, since a rank with
@@ -53,6 +55,7 @@ unsharded, and ``generate`` still defaults to ``synced_gpus``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import weakref
@@ -178,8 +181,6 @@ def _has_module(module: nn.Module, name: str) -> bool:
 def mixed_batches_of(model: nn.Module) -> list[MixedBatches]:
     """What :func:`install_mixed_batches` put on ``model`` (empty for text models and in mode ``off``)."""
     return [m for m in _INSTALLED.get(model, ()) if m.mode != "off"]
-
-
 
 
 def _forward_is_transformers(module: nn.Module) -> bool:
@@ -499,10 +500,41 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             h._generating.pop()
 
 
+class _Medium:
+    """An aligned tower besides the vision tower (an :class:`~.vlm_families.AudioTower` or a
+    :class:`~.vlm_families.VideoTower`): its row, and this forward's calls and target (None: not counting)."""
+
+    def __init__(self, spec: Any, kind: str) -> None:
+        self.spec = spec
+        self.kind = kind  # "audio" (counted in audio_dummy_calls) or "video" (in dummy_calls)
+        self.calls = 0
+        self.target: int | None = None
+
+
+_VISION = None  # the vision tower's place in a forward's order of media (the media are _Medium objects)
+
+#: Inner models whose forward calls a medium through the vision tower itself (Nemotron-H Omni's videos): the
+#: method that makes that call, wrapped on the instance, finds its hooks here (a deep copy finds none).
+_SHARED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _shared_method(name: str) -> Callable[..., Any]:
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original = getattr(type(self), name)
+        hooks = _SHARED.get(self, {}).get(name)
+        if hooks is None:
+            return original(self, *args, **kwargs)
+        return hooks._shared_call(name, original, self, args, kwargs)
+
+    return call
+
+
 class _KnownFamily(MixedBatches):
     """A table family: count the tower calls, exchange counts, top up with dummies before the text model. A row
-    with an :class:`~.vlm_families.AudioTower` gets the same for its audio encoder, in the same exchange
-    (a second column): its dummies run where the forward runs its audio, before the first vision tower call."""
+    with an :class:`~.vlm_families.AudioTower` or a :class:`~.vlm_families.VideoTower` gets the same for that tower,
+    in the same exchange (a column each): its dummies run where the forward runs that medium (the Qwen thinkers'
+    audio before the first vision tower call; the others' audio, and videos, after it), and a rank that owes the
+    dummies of a medium the forward runs earlier runs them just before its own call of a later one."""
 
     def __init__(self, root: nn.Module, inner: nn.Module, path: str, family: VisionFamily, mode: str) -> None:
         tower = inner.get_submodule(family.tower)
@@ -515,6 +547,7 @@ class _KnownFamily(MixedBatches):
         self._exchanged = False  # the root's pre-forward exchanged this forward's counts (the inner forward's own)
         self._zero: torch.Tensor | None = None  # dummies' zero term, joining the text model's inputs_embeds
         self._device = torch.device("cpu")  # where this forward computes (its first tensor input)
+        self._shared_depth = 0  # > 0 inside a medium's call through the vision tower: not a vision call
         self._handles += [
             inner.register_forward_pre_hook(marked(self._pre_forward), with_kwargs=True),
             inner.register_forward_hook(marked(self._post_forward), always_call=True),
@@ -522,40 +555,74 @@ class _KnownFamily(MixedBatches):
                 marked(self._before_text_model), with_kwargs=True
             ),
         ]
-        audio = family.audio
-        self._audio = audio if audio is not None and _has_module(inner, audio.tower) else None
-        self._audio_calls = 0
-        self._audio_target: int | None = None  # as _target, for the audio tower
-        if self._audio is not None:
-            self._columns = 2
-            audio_tower = inner.get_submodule(self._audio.tower)
-            self._handles.append(audio_tower.register_forward_pre_hook(marked(self._on_audio_call)))
+        self._media: list[_Medium] = [
+            _Medium(spec, kind)
+            for spec, kind in ((family.audio, "audio"), (family.video, "video"))
+            if spec is not None and _has_module(inner, spec.tower)
+        ]
+        self._columns = 1 + len(self._media)
+        # the forward's order: media before the vision tower, the vision tower, then videos, then audio
+        after = sorted((m for m in self._media if m.spec.after_vision), key=lambda m: m.kind != "video")
+        self._order: list[_Medium | None] = [m for m in self._media if not m.spec.after_vision] + [_VISION, *after]
+        self._shared: list[str] = []
+        for medium in self._media:
+            medium_tower = inner.get_submodule(medium.spec.tower)
+            if medium_tower is tower:  # called through the vision tower: wrap the method that calls it
+                self._shared.append(medium.spec.method)
+                _SHARED.setdefault(inner, {})[medium.spec.method] = self
+                inner.__dict__[medium.spec.method] = types.MethodType(_shared_method(medium.spec.method), inner)
+                continue
+            # first: a forward that runs this medium after another owes that one's dummies before this tower's
+            # own FSDP2 pre-forward (its all-gathers) where the tower is a group itself
+            hook = functools.partial(self._on_medium_call, medium)
+            self._handles.append(medium_tower.register_forward_pre_hook(marked(hook), prepend=True))
+
+    def remove(self) -> None:
+        super().remove()
+        inner = self._inner()
+        for name in self._shared:
+            if inner is not None and name in inner.__dict__:
+                del inner.__dict__[name]
+            if inner is not None:
+                _SHARED.get(inner, {}).pop(name, None)
+        self._shared = []
 
     def _own_calls(self, inputs: dict[str, Any]) -> int:
         return sum(inputs.get(pixels) is not None for pixels in self.family.inputs)
 
-    def _own_audio(self, inputs: dict[str, Any]) -> int:
-        """Audio-tower calls this rank's forward makes: one where it has audio input (all clips in one call)."""
-        return int(self._audio is not None and any(inputs.get(name) is not None for name in self._audio.inputs))
+    def _own_media(self, inputs: dict[str, Any]) -> tuple[int, ...]:
+        """Each medium's calls in this rank's forward: one where it has every input the forward requires for that
+        medium (all clips, all videos in one call)."""
+        return tuple(int(all(inputs.get(n) is not None for n in m.spec.inputs)) for m in self._media)
 
     def _inputs_shown(self) -> tuple[str, ...]:
-        return self.family.inputs + (self._audio.inputs if self._audio is not None else ())
+        return self.family.inputs + tuple(n for m in self._media for n in m.spec.inputs)
 
     def _aligned(self) -> bool:
         inner = self._inner()
         return inner is not None and _forward_is_transformers(inner) and self._activate()
 
+    def _set_media(self, targets: Iterable[int | None]) -> None:
+        for medium, target in zip(self._media, targets, strict=True):
+            medium.target = target
+
+    def _reset_calls(self) -> None:
+        self._calls = 0
+        for medium in self._media:
+            medium.calls = 0
+
     def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._target, self._exchanged, self._zero, self._calls = None, False, None, 0
-        self._audio_target, self._audio_calls = None, 0
+        self._target, self._exchanged, self._zero = None, False, None
+        self._reset_calls()
+        self._set_media([None] * len(self._media))
         if not self._aligned():
             return
         inputs = _call_inputs(module, args, kwargs)
         self._device = _input_device(inputs, module)
         visible = _shows(module, self._inputs_shown())
-        own, own_audio = self._own_calls(inputs), self._own_audio(inputs)
+        own, own_media = self._own_calls(inputs), self._own_media(inputs)
         if self._decode_step(inputs):
-            if own or own_audio:
+            if own or any(own_media):
                 raise FsdpCompatError(
                     f"fsdp-compat: mixed micro-batches: {self.root_class}.generate passed vision or audio input to a "
                     "forward that decodes from a cache; the other ranks make no exchange there, so the tower's "
@@ -563,27 +630,29 @@ class _KnownFamily(MixedBatches):
                     "(transformers' prepare_inputs_for_generation does), or set FSDP_COMPAT_MIXED_BATCHES=always"
                 )
             self.decode_steps += 1
-            self._target, self._audio_target, self._exchanged = 0, 0, True
+            self._target, self._exchanged = 0, True
+            self._set_media([0] * len(self._media))
             return
         if self.mode == "always":
             if visible:
-                self._always(own, own_audio)
+                self._always(own, own_media)
                 self._exchanged = True
             return
         while True:  # until no rank is calling the tower outside a forward
-            counts = self._exchange(own, own_audio)
+            counts = self._exchange(own, *own_media)
             if min(_column(counts).values()) != _OUTSIDE:
                 break
             self._outside_dummy(module, self._device)
         if visible:  # the root's forward shows the vision inputs: these are the inner forward's counts too
-            self._set_target(own, own_audio, counts)
+            self._set_target(own, own_media, counts)
             self._exchanged = True
 
-    def _always(self, own: int, own_audio: int) -> None:
+    def _always(self, own: int, own_media: tuple[int, ...]) -> None:
         """Mode ``always``: at least one call of every aligned tower, no exchange."""
-        self._target, self._audio_target = max(own, 1), max(own_audio, 1)
+        self._target = max(own, 1)
+        self._set_media([max(n, 1) for n in own_media])
 
-    def _set_target(self, own: int, own_audio: int, counts: dict[int, tuple[int, ...]]) -> None:
+    def _set_target(self, own: int, own_media: tuple[int, ...], counts: dict[int, tuple[int, ...]]) -> None:
         vision = _column(counts)
         self._target = max(vision.values())
         if own < self._target:
@@ -591,55 +660,96 @@ class _KnownFamily(MixedBatches):
                 "fsdp-compat: mixed micro-batches: %s: %d tower call(s) here, %d on rank(s) %s: dummy input",
                 self.path or self.root_class, own, self._target, _ranks(vision, lambda c: c == self._target),
             )  # fmt: skip
-        if self._audio is not None:
-            self._audio_target = max(_column(counts, 1).values())
-            if own_audio < self._audio_target:
-                logger.debug("fsdp-compat: mixed micro-batches: %s: no audio here: dummy audio", self.root_class)
+        for i, (medium, mine) in enumerate(zip(self._media, own_media, strict=True), start=1):
+            medium.target = max(_column(counts, i).values())
+            if mine < medium.target:
+                logger.debug("fsdp-compat: mixed micro-batches: %s: no %s here: dummy", self.root_class, medium.kind)
 
     def _end(self) -> None:
-        self._target, self._exchanged, self._zero, self._audio_target = None, False, None, None
+        self._target, self._exchanged, self._zero = None, False, None
+        self._set_media([None] * len(self._media))
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._calls, self._audio_calls = 0, 0
+        self._reset_calls()
         if self._exchanged:  # decided at the root's pre-forward
             self._exchanged = False
             return
-        self._target, self._audio_target = None, None
+        self._target = None
+        self._set_media([None] * len(self._media))
         if not self._aligned():
             return
         inputs = _bind(module, args, kwargs)
         self._device = _input_device(inputs, module)
-        own, own_audio = self._own_calls(inputs), self._own_audio(inputs)
+        own, own_media = self._own_calls(inputs), self._own_media(inputs)
         if self.mode == "always":
-            self._always(own, own_audio)
+            self._always(own, own_media)
         else:
-            self._set_target(own, own_audio, self._exchange(own, own_audio))
+            self._set_target(own, own_media, self._exchange(own, *own_media))
 
     def _post_forward(self, *_: Any) -> None:
-        self._target, self._audio_target = None, None
+        self._target = None
+        self._set_media([None] * len(self._media))
 
     def _count_tower_call(self) -> None:
+        if self._shared_depth:  # a medium's call through the vision tower (counted as that medium's)
+            return
         if self._target is not None:
-            self._audio_top_up()  # the forward runs its audio before its first vision tower call
+            self._top_up_before(_VISION, self._device)  # the media the forward runs before its vision tower
             self._calls += 1
 
-    def _on_audio_call(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._depth and self._audio_target is not None:
-            self._audio_calls += 1
+    def _on_medium_call(self, medium: _Medium, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._depth and medium.target is not None:
+            self._top_up_before(medium, self._device)  # the dummies of the media the forward runs before this one
+            medium.calls += 1
 
-    def _audio_top_up(self) -> None:
-        """The audio dummies this rank still owes (where the forward runs its audio: before the first vision tower
-        call, or before the text model). Their zero terms join the text model's ``inputs_embeds`` with the rest."""
-        if self._audio is None or self._audio_target is None or self._audio_calls >= self._audio_target:
+    def _shared_call(self, name: str, original: Any, inner: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A medium's method that calls the vision tower (the instance's wrapper): counted as that medium's call,
+        after the dummies the forward's order puts before it; the vision tower's own hook does not count it."""
+        medium = next(m for m in self._media if m.spec.method == name)
+        self._on_medium_call(medium, inner, ())
+        self._shared_depth += 1
+        try:
+            return original(inner, *args, **kwargs)
+        finally:
+            self._shared_depth -= 1
+
+    def _top_up_before(self, entry: _Medium | None, device: torch.device) -> None:
+        for earlier in self._order[: self._order.index(entry)]:
+            self._top_up(earlier, device)
+
+    def _top_up(self, entry: _Medium | None, device: torch.device) -> None:
+        if entry is _VISION:
+            self._vision_top_up(device)
+        else:
+            self._medium_top_up(entry)
+
+    def _medium_top_up(self, medium: _Medium) -> None:
+        """The dummies this rank still owes for ``medium``, where the forward runs it (:meth:`_top_up_before`, or
+        before the text model). Their zero terms join the text model's ``inputs_embeds`` with the rest."""
+        if medium.target is None or medium.calls >= medium.target:
             return
         inner = self._inner()
         assert inner is not None
-        missing, self._audio_target = self._audio_target - self._audio_calls, None  # dummies are not counted
-        dtype = _dtype_of(inner.get_submodule(self._audio.tower))
+        missing, medium.target = medium.target - medium.calls, None  # dummies are not counted
+        spec = medium.spec
+        dtype = _dtype_of(inner.get_submodule(spec.tower))
+        method = getattr(type(inner), spec.method)
         for _ in range(missing):
-            out = inner.get_audio_features(**self._audio.dummy(inner.config, self._device, dtype))
-            self._join(_zero_of(_field(out, self._audio.features)))
-            self.audio_dummy_calls += 1
+            self._shared_depth += 1  # a call through the vision tower is not a vision call
+            try:
+                out = method(inner, **spec.dummy(inner.config, self._device, dtype))
+            finally:
+                self._shared_depth -= 1
+            self._join(_zero_of(_field(out, spec.features)))
+            padding = getattr(spec, "padding", "")
+            if padding:  # an embedder the forward calls beside the features (Gemma3n's audio padding token)
+                embedder = inner.get_submodule(padding)
+                last = int(getattr(embedder, "vocab_offset", 0)) + int(embedder.vocab_size) - 1
+                self._join(_zero_of(embedder(input_ids=torch.full((1, 1), last, device=self._device))))
+            if medium.kind == "audio":
+                self.audio_dummy_calls += 1
+            else:
+                self.dummy_calls += 1
 
     def _join(self, zero: torch.Tensor | None) -> None:
         """Keep a dummy's zero term for the text model's ``inputs_embeds`` (under grad: backward must reach the
@@ -668,30 +778,47 @@ class _KnownFamily(MixedBatches):
         dummy = self._dummy(inner, device)
         target, self._target = self._target, None  # not counted as this forward's own calls
         try:
-            zero = _zero_of(inner.get_image_features(**dummy))
+            zero = self._dummy_zero(inner, dummy)
         finally:
             self._target = target
         self.dummy_calls += 1
         self._join(zero)
 
+    def _dummy_zero(self, inner: nn.Module, dummy: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """One dummy tower call's zero term: ``get_image_features`` on ``dummy``, then, where the row names a
+        projector the forward applies outside it (Llama4), that projector on the output's ``projected`` field."""
+        out = inner.get_image_features(**dummy)
+        if self.family.projector:
+            features = _field(out, self.family.projected)
+            if isinstance(features, (tuple, list)):  # a tuple output (config.return_dict False): its first field
+                features = features[0]
+            out = inner.get_submodule(self.family.projector)(features)
+        return _zero_of(out)
+
     def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
         """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
         return self.family.dummy(inner.config, device, _dtype_of(inner.get_submodule(self.family.tower)))
 
+    def _vision_top_up(self, device: torch.device) -> None:
+        """The vision dummies this rank still owes (before the text model, or, where the forward runs its audio
+        after its vision towers, before its audio call); their zero terms join the text model's ``inputs_embeds``."""
+        if self._target is None or self._calls >= self._target:
+            return
+        inner = self._inner()
+        assert inner is not None
+        missing, self._target = self._target - self._calls, None  # the dummies' own tower calls are not counted
+        for _ in range(missing):
+            self._join(self._dummy_zero(inner, self._dummy(inner, device)))
+            self.dummy_calls += 1
+
     def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self._audio_top_up()  # no vision tower call this forward: the audio dummies run first, as the audio would
+        # every dummy still owed, in the forward's order (a medium before the vision tower runs first, as it would)
+        for entry in self._order:
+            if entry is not _VISION:
+                self._medium_top_up(entry)
+            elif self._target is not None and self._calls < self._target:
+                self._vision_top_up(_inputs_embeds(module, args, kwargs)[1].device)
         zero, self._zero = self._zero, None
-        if self._target is not None and self._calls < self._target:
-            inner = self._inner()
-            assert inner is not None
-            missing = self._target - self._calls
-            self._target = None  # the dummies' own tower calls are not counted
-            _, embeds = _inputs_embeds(module, args, kwargs)
-            for _ in range(missing):
-                term = _zero_of(inner.get_image_features(**self._dummy(inner, embeds.device)))
-                if term is not None:
-                    zero = term if zero is None else zero + term
-                self.dummy_calls += 1
         if zero is None:
             return None
         name, embeds = _inputs_embeds(module, args, kwargs)

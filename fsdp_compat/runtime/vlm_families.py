@@ -17,27 +17,40 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DOTS3_AUDIO",
     "FAMILIES",
+    "GEMMA3N_AUDIO",
+    "GEMMA4_AUDIO",
+    "INKLING_AUDIO",
+    "MUSE_SPARK_AUDIO",
+    "NEMOTRON_AUDIO",
+    "NEMOTRON_VIDEO",
     "QWEN_OMNI_AUDIO",
     "AudioTower",
     "DummyInputs",
+    "VideoTower",
     "VisionFamily",
     "anyres_inputs",
+    "chunk_mel_inputs",
     "conv_grid_inputs",
+    "dmel_token_inputs",
     "family_named",
     "fixed_inputs",
+    "fixed_video_inputs",
     "flat_patch_inputs",
     "grid_dummy",
     "grid_hw_inputs",
     "grid_inputs",
     "grid_patches_inputs",
     "hybrid_inputs",
+    "masked_mel_inputs",
     "masked_tile_inputs",
     "mel_inputs",
     "merge_size_inputs",
     "naflex_inputs",
     "packed_inputs",
     "packed_patch_inputs",
+    "padded_mel_inputs",
     "patch_grid_inputs",
     "pooled_inputs",
     "position_patch_inputs",
@@ -45,11 +58,14 @@ __all__ = [
     "sam_inputs",
     "sized_inputs",
     "strided_inputs",
+    "subsampled_mel_inputs",
     "tile_inputs",
     "timm_inputs",
     "timm_tile_inputs",
     "token_tile_inputs",
+    "tubelet_inputs",
     "vq_inputs",
+    "waveform_inputs",
 ]
 
 
@@ -124,19 +140,125 @@ def mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[st
 @dataclass(frozen=True)
 class AudioTower:
     """A family's audio encoder, aligned like its vision tower: a rank whose micro-batch has no audio runs
-    ``get_audio_features`` on ``dummy`` where the family's forward runs its audio, which is before the vision tower
-    (the Qwen omni thinkers encode audio, then images, then videos): so before this forward's first vision tower
-    call, or before the text model where there is none. ``features`` is the output field the forward reads.
+    ``get_audio_features`` on ``dummy`` where the family's forward runs its audio. ``after_vision`` False: before
+    the vision tower (the Qwen omni thinkers encode audio, then images, then videos), so before this forward's
+    first vision tower call, or before the text model where there is none; True: after every vision tower call
+    (dots3, Muse Spark, Nemotron-H Omni, Gemma4, Inkling encode images and videos first), so just before the text
+    model, after the vision dummies, and a rank with audio that owes vision dummies runs them just before its
+    audio tower call. ``inputs``: the forward's audio keywords that must all be given for it to run the tower (one
+    call for all clips); ``features``: the output field the forward reads; ``method``: the inner model's method
+    the forward calls (the dummy's too); ``padding``: an embedder the forward calls beside the features, with one
+    token id (Gemma3n pads the audio soft tokens with ``embed_audio``'s embedding of its last token): the dummy
+    calls it too, on its last token, else its embedding has a gradient on the audio ranks only.
     """
 
     tower: str = "audio_tower"
     inputs: tuple[str, ...] = ("input_features",)
     dummy: DummyInputs = mel_inputs
     features: str = "last_hidden_state"
+    after_vision: bool = False
+    method: str = "get_audio_features"
+    padding: str = ""
+
+
+@dataclass(frozen=True)
+class VideoTower:
+    """A family's video path where it is not its image path (so not in the row's ``inputs``): a second tower
+    (Video-LLaVA's ``video_tower``), or the vision tower through parameters only videos reach (Nemotron-H Omni's
+    ``video_patch_projection``). Aligned as an :class:`AudioTower` in a column of its own: a rank without videos
+    runs ``get_video_features`` on ``dummy`` after the image tower calls (and before the audio, where the forward
+    runs its audio after its videos). Where ``tower`` is the vision tower itself, the call is told from an image
+    call by ``method``, wrapped on the instance.
+    """
+
+    dummy: DummyInputs
+    tower: str = "video_tower"
+    inputs: tuple[str, ...] = ("pixel_values_videos",)
+    features: str = "pooler_output"
+    after_vision: bool = True
+    method: str = "get_video_features"
 
 
 #: The Qwen omni thinkers' audio encoder (Qwen2.5-Omni, Qwen3-Omni-MoE).
 QWEN_OMNI_AUDIO = AudioTower()
+
+
+def chunk_mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One chunk of 8 zero mel frames and its ``chunk_sample_lengths`` (dots3: three stride-2 convolutions leave
+    the 8 frames one, and the chunk's samples, 8 hops, round up to one token; the adapter keeps real tokens only)."""
+    audio = config.audio_config
+    frames = 8
+    return {
+        "input_features": torch.zeros(1, int(audio.feature_size), frames, dtype=dtype, device=device),
+        "chunk_sample_lengths": torch.tensor([frames * int(audio.hop_length)], dtype=torch.long, device=device),
+    }
+
+
+def waveform_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero waveform of one token's samples (Muse Spark: a convolutional pyramid over raw audio, whose length
+    must be a multiple of ``samples_per_token``, the product of its patch sizes): ``(1, samples_per_token)``."""
+    samples = 1
+    for size in config.audio_config.patch_sizes:
+        samples *= int(size)
+    return {"input_values": torch.zeros(1, samples, dtype=dtype, device=device)}
+
+
+def subsampled_mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One clip of twice ``subsampling_factor`` zero mel frames, ``(1, frames, mels)`` (Nemotron-H Omni's Parakeet
+    encoder: its stride-2 convolutions subsample by that factor, so that many frames make one token, and its
+    conformer convolutions' BatchNorm needs more than one value per channel in training: two tokens. Like a real
+    clip, the dummy moves that BatchNorm's running statistics on its rank, buffers, not parameters)."""
+    audio = config.audio_config
+    frames = 2 * int(audio.subsampling_factor)
+    return {"input_features": torch.zeros(1, frames, int(audio.num_mel_bins), dtype=dtype, device=device)}
+
+
+def masked_mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One clip of 4 zero mel frames with its all-valid ``input_features_mask``, ``(1, 4, F)`` (Gemma4's USM
+    conformer: two stride-2 convolutions leave one frame; its projection reads F / 4 x the second conv's channels,
+    so F is the first conv's channel count, ``subsampling_conv_channels[0]``, 128 mel bins in the released model;
+    the forward runs the tower only with the mask)."""
+    mels = int(config.audio_config.subsampling_conv_channels[0])
+    return {
+        "input_features": torch.zeros(1, 4, mels, dtype=dtype, device=device),
+        "input_features_mask": torch.ones(1, 4, dtype=torch.bool, device=device),
+    }
+
+
+def dmel_token_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One frame of zero dMel bin tokens, ``(1, 1, n_mel_bins)`` long (Inkling: the audio "tower" embeds each
+    frame's quantised mel bins and sums them, one token per frame)."""
+    bins = int(config.audio_config.n_mel_bins)
+    return {"audio_input_ids": torch.zeros(1, 1, bins, dtype=torch.long, device=device)}
+
+
+def padded_mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One clip of 4 zero mel frames and its mask in the tower's own convention, True where a frame is padding,
+    so all False (Gemma3n's USM encoder: two stride-2 convolutions leave one frame; its forward passes the
+    processor's mask inverted)."""
+    mels = int(config.audio_config.input_feat_size)
+    return {
+        "input_features": torch.zeros(1, 4, mels, dtype=dtype, device=device),
+        "input_features_mask": torch.zeros(1, 4, dtype=torch.bool, device=device),
+    }
+
+
+#: dots3: mel chunks, encoded after images and videos; the forward reads the adapter's ``pooler_output``.
+DOTS3_AUDIO = AudioTower(dummy=chunk_mel_inputs, features="pooler_output", after_vision=True)
+#: Muse Spark: raw waveforms, after images and videos.
+MUSE_SPARK_AUDIO = AudioTower(inputs=("input_values",), dummy=waveform_inputs, features="pooler_output",
+                              after_vision=True)  # fmt: skip
+#: Nemotron-H Omni: Parakeet mel clips, after images and videos (projected by ``embed_audio`` inside
+#: ``get_audio_features``).
+NEMOTRON_AUDIO = AudioTower(dummy=subsampled_mel_inputs, features="pooler_output", after_vision=True)
+#: Gemma4: USM mel clips, after images and videos; the forward runs the tower only with the mask too.
+GEMMA4_AUDIO = AudioTower(inputs=("input_features", "input_features_mask"), dummy=masked_mel_inputs,
+                          features="pooler_output", after_vision=True)  # fmt: skip
+#: Gemma3n: USM mel clips after images; the forward pads the soft tokens with ``embed_audio``'s hard embedding.
+GEMMA3N_AUDIO = AudioTower(inputs=("input_features", "input_features_mask"), dummy=padded_mel_inputs,
+                           features="pooler_output", after_vision=True, padding="embed_audio")  # fmt: skip
+#: Inkling: dMel bin tokens, after images.
+INKLING_AUDIO = AudioTower(inputs=("audio_input_ids",), dummy=dmel_token_inputs, after_vision=True)
 
 
 @dataclass(frozen=True)
@@ -150,7 +272,12 @@ class VisionFamily:
     graph at the text model's ``inputs_embeds``, where the real features join it too (the output's ``pooler_output``
     and ``deepstack_features`` where it has them: Emu3's ``pooler_output`` is the text embeddings of its codes, its
     ``last_hidden_state`` the VQ encoder's, cut from the loss by the quantizer's argmin). ``audio``: the family's
-    audio encoder where it has one that fsdp-compat aligns too (:class:`AudioTower`).
+    audio encoder where it has one that fsdp-compat aligns too (:class:`AudioTower`). ``projector``: the inner
+    model's attribute of a projector that the forward applies to the output's ``projected`` field outside
+    ``get_image_features`` (Llama4's ``multi_modal_projector``): the dummy's features pass through it too, else its
+    parameters get a gradient on the image ranks only and the group holding them reduce-scatters less elsewhere.
+    ``video``: the family's video path where it differs from its image path (:class:`VideoTower`); ``inputs``
+    then lists the image arguments only.
     """
 
     name: str
@@ -160,6 +287,9 @@ class VisionFamily:
     tower: str = "visual"
     text: str = "language_model"
     audio: AudioTower | None = None
+    projector: str = ""
+    projected: str = "last_hidden_state"
+    video: VideoTower | None = None
 
 
 def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
@@ -255,18 +385,41 @@ def grid_hw_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dic
     return {"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]], dtype=torch.long, device=device)}
 
 
+def tubelet_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero video of one tubelet of 2 x 2 patches, ``(1, 1, T * C, 2p, 2p)`` (Nemotron-H Omni's videos:
+    ``video_temporal_patch_size`` frames stacked on the channels, embedded by the RADIO tower's
+    ``video_patch_projection``; the pixel shuffle by 0.5 needs even sides, so one feature per tubelet)."""
+    vision = config.vision_config
+    side = round(1 / float(config.downsample_ratio)) * int(vision.patch_size)
+    channels = int(config.video_temporal_patch_size) * _channels(vision)
+    return {"pixel_values_videos": torch.zeros(1, 1, channels, side, side, dtype=dtype, device=device)}
+
+
+#: Nemotron-H Omni's videos: through the vision tower, but its video patch projection only videos reach.
+NEMOTRON_VIDEO = VideoTower(dummy=tubelet_inputs, tower="vision_model")
+
 MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("kimi-k2.5", ("Kimi_K25Model",), dummy=conv_grid_inputs, tower="vision_tower"),
     VisionFamily("hunyuan-vl", ("HunYuanVLModel",), ("pixel_values",), patch_grid_inputs, "vision_tower"),
     VisionFamily("video-llama-3", ("VideoLlama3Model",), dummy=merge_size_inputs, tower="vision_model"),
     VisionFamily("minimax-m3-vl", ("MiniMaxM3VLModel",), dummy=patch_grid_inputs, tower="vision_tower"),
-    VisionFamily("dots3-note", ("Dots3NoteModel",), dummy=patch_grid_inputs, tower="vision_tower"),
+    VisionFamily("dots3-note", ("Dots3NoteModel",), dummy=patch_grid_inputs, tower="vision_tower", audio=DOTS3_AUDIO),
     VisionFamily("lfm3-vl", ("Lfm3VlModel",), tower="vision_tower"),
     VisionFamily("cosmos3-edge", ("Cosmos3EdgeModel",), dummy=patch_grid_inputs),
     VisionFamily("hy-v4-vl", ("HYV4VLModel",), dummy=patch_grid_inputs, tower="vision_tower"),
     VisionFamily("muse-glimmer", ("MuseGlimmerModel",), dummy=patch_grid_inputs, tower="vision_tower"),
-    VisionFamily("muse-spark", ("MuseSparkModel",), dummy=patch_grid_inputs, tower="vision_tower"),
-    VisionFamily("nemotron-h-omni", ("NemotronH_Omni_Reasoning_V3",), dummy=grid_hw_inputs, tower="vision_model"),
+    VisionFamily(
+        "muse-spark", ("MuseSparkModel",), dummy=patch_grid_inputs, tower="vision_tower", audio=MUSE_SPARK_AUDIO
+    ),
+    VisionFamily(
+        "nemotron-h-omni",
+        ("NemotronH_Omni_Reasoning_V3",),
+        ("pixel_values",),
+        grid_hw_inputs,
+        "vision_model",
+        audio=NEMOTRON_AUDIO,
+        video=NEMOTRON_VIDEO,
+    ),
 )
 
 # ---------------------------------------------------------------------- fixed resolution (CLIP, SigLIP and kin)
@@ -291,6 +444,12 @@ def hybrid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict
     }
 
 
+def fixed_video_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero video of one frame at the tower's fixed resolution, ``(1, 1, C, S, S)`` (Video-LLaVA's video
+    tower: a CLIP tower of its own, frames folded into its batch)."""
+    return {"pixel_values_videos": fixed_inputs(config, device, dtype)["pixel_values"].unsqueeze(1)}
+
+
 FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("llava", "LlavaModel"),
     _fixed("gemma3", "Gemma3Model"),
@@ -304,7 +463,19 @@ FIXED_FAMILIES: tuple[VisionFamily, ...] = (
     _fixed("vipllava", "VipLlavaModel"),  # its projector reads several tower layers: the dummy runs them all
     # the SigLIP tower and the text encoder sit in the encoder of an encoder-decoder (the features join its input)
     VisionFamily("t5gemma2", ("T5Gemma2Encoder",), ("pixel_values",), fixed_inputs, "vision_tower", "text_model"),
-    VisionFamily("inkling", ("InklingModel",), ("pixel_values",), packed_patch_inputs, "vision_tower"),
+    VisionFamily(
+        "inkling", ("InklingModel",), ("pixel_values",), packed_patch_inputs, "vision_tower", audio=INKLING_AUDIO
+    ),
+    # two CLIP towers: images through image_tower (pixel_values, formerly pixel_values_images), videos through
+    # video_tower
+    VisionFamily(
+        "video-llava",
+        ("VideoLlavaModel",),
+        ("pixel_values", "pixel_values_images"),
+        fixed_inputs,
+        "image_tower",
+        video=VideoTower(dummy=fixed_video_inputs),
+    ),
     VisionFamily("deepseek-vl-hybrid", ("DeepseekVLHybridModel",), ("pixel_values",), hybrid_inputs, "vision_model"),
 )
 
@@ -399,22 +570,25 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("llava_next", ("LlavaNextModel",), ("pixel_values",), anyres_inputs, "vision_tower"),
     VisionFamily("llava_onevision", ("LlavaOnevisionModel",), dummy=anyres_inputs, tower="vision_tower"),
     VisionFamily("llava_next_video", ("LlavaNextVideoModel",), dummy=anyres_inputs, tower="vision_tower"),
-    VisionFamily("gemma4", ("Gemma4Model",), dummy=positioned_inputs, tower="vision_tower"),
+    VisionFamily("gemma4", ("Gemma4Model",), dummy=positioned_inputs, tower="vision_tower", audio=GEMMA4_AUDIO),
     VisionFamily("lfm2_vl", ("Lfm2VlModel",), ("pixel_values",), naflex_inputs, "vision_tower"),
     VisionFamily("lighton_ocr", ("LightOnOcrModel",), ("pixel_values",), sized_inputs, "vision_encoder"),
     VisionFamily("mistral_large4", ("MistralLarge4Model",), ("pixel_values",), sized_inputs, "vision_tower"),
-    VisionFamily("granite_docling", ("GraniteDoclingModel",), ("pixel_values",), masked_tile_inputs, "vision_model",
-                 "text_model"),
+    VisionFamily(
+        "granite_docling", ("GraniteDoclingModel",), ("pixel_values",), masked_tile_inputs, "vision_model", "text_model"
+    ),
     _fixed("qianfan_ocr", "QianfanOCRModel"),  # InternVL's tiles
     VisionFamily("minicpmv4_6", ("MiniCPMV4_6Model",), dummy=packed_inputs, tower="vision_tower"),
     VisionFamily("minicpm_ocr", ("MiniCPMOcrModel",), dummy=packed_inputs, tower="vision_tower"),
     VisionFamily("minicpmv4_7", ("MiniCPMV4_7Model",), dummy=packed_inputs, tower="vision_tower"),
     _fixed("aria", "AriaModel"),  # the pixel_mask is optional: no mask is an all-valid image
     VisionFamily("molmo2", ("Molmo2Model",), dummy=pooled_inputs, tower="vision_tower"),
-    VisionFamily("deepseek_ocr2", ("DeepseekOcr2Model",), ("pixel_values", "pixel_values_local"), sam_inputs,
-                 "vision_tower"),
-    VisionFamily("unlimited_ocr", ("UnlimitedOcrModel",), ("pixel_values", "pixel_values_local"), sam_inputs,
-                 "vision_tower"),
+    VisionFamily(
+        "deepseek_ocr2", ("DeepseekOcr2Model",), ("pixel_values", "pixel_values_local"), sam_inputs, "vision_tower"
+    ),
+    VisionFamily(
+        "unlimited_ocr", ("UnlimitedOcrModel",), ("pixel_values", "pixel_values_local"), sam_inputs, "vision_tower"
+    ),
     VisionFamily("step3p7", ("Step3p7Model",), ("pixel_values", "pixel_values_local"), fixed_inputs, "vision_model"),
     VisionFamily("idefics2", ("Idefics2Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
     VisionFamily("granite4_vision", ("Granite4VisionModel",), ("pixel_values",), anyres_inputs, "vision_tower"),
@@ -481,8 +655,18 @@ OTHER_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("inkling2", ("Inkling2Model",), ("pixel_values",), token_tile_inputs, "vision_tower"),
     VisionFamily("inkling2-loop", ("Inkling2LoopModel",), ("pixel_values",), token_tile_inputs, "vision_tower"),
     # BART's encoder consumes the features (the forward calls language_model.encoder, never language_model itself)
-    VisionFamily("florence2", ("Florence2Model",), ("pixel_values",), strided_inputs, "vision_tower",
-                 "language_model.encoder"),
+    VisionFamily(
+        "florence2", ("Florence2Model",), ("pixel_values",), strided_inputs, "vision_tower", "language_model.encoder"
+    ),
+    # the outer model holds both; its forward projects get_image_features' last_hidden_state itself
+    VisionFamily(
+        "llama4",
+        ("Llama4ForConditionalGeneration",),
+        ("pixel_values",),
+        fixed_inputs,
+        "vision_model",
+        projector="multi_modal_projector",
+    ),
 )
 
 # ------------------------------------------------------------------------------------- timm towers (TimmWrapper)
@@ -515,7 +699,7 @@ def timm_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> d
 TIMM_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("perception_lm", ("PerceptionLMModel",), dummy=timm_tile_inputs, tower="vision_tower"),
     VisionFamily("fast_vlm", ("FastVlmModel",), ("pixel_values",), timm_inputs, "vision_tower"),
-    VisionFamily("gemma3n", ("Gemma3nModel",), ("pixel_values",), timm_inputs, "vision_tower"),  # audio: unaligned
+    VisionFamily("gemma3n", ("Gemma3nModel",), ("pixel_values",), timm_inputs, "vision_tower", audio=GEMMA3N_AUDIO),
 )
 
 # ------------------------------------------------------------------------------------------------------- table

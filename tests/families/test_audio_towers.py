@@ -1,10 +1,13 @@
 """The omni families' audio towers under mixed micro-batches (transformers 5.24's Qwen2.5-Omni and Qwen3-Omni-MoE
-thinkers, tiny, fp32, 2 gloo ranks, fsdp-compat's plan: the audio encoder's layers are FSDP2 groups of their own).
+thinkers, dots3, Muse Spark, Nemotron-H Omni, Gemma4, Gemma3n (its timm tower: families524-timm) and Inkling, tiny,
+fp32, 2 gloo ranks, fsdp-compat's plan).
 
-A rank with audio runs the audio encoder's all-gathers before the vision tower's; a rank without audio skips them,
-so the ranks fall out of step as they do on image|text ranks. Shown first, unaligned; then, aligned, every pair of
-ranks that differ in audio, in images or in both trains at exact parity (0.0, equal losses): a dummy clip runs on the
-rank without audio, before its vision tower call (the forward's own order), once per step. The whole step too:
+A rank with audio runs the audio encoder's all-gathers (and its parameters get gradients that the root group
+reduce-scatters); a rank without audio skips them, so the ranks fall out of step as they do on image|text ranks.
+Shown first, unaligned, audio against text; then, aligned, every pair of ranks that differ in audio, in images or in
+both trains at exact parity (0.0, equal losses): a dummy clip runs on the rank without audio where the forward runs
+its audio, once per step: before the vision tower call in the Qwen thinkers, after it in the others (a rank with
+audio but no image there runs its vision dummy before its audio call). The whole step too, for the Qwen thinkers:
 ``generate``, a log-prob pass and a training step with audio and images on one rank and neither on the other equal
 one process (the rank routines of tests/runtime/test_generation.py).
 """
@@ -28,15 +31,31 @@ AUTO = "fsdp_compat.testing.wraps:core_auto"
 MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
 CORE = Path(__file__).resolve().parents[1] / "runtime"  # the generation rank routines
-OMNI = sorted({t.name for t in tiny_models().values() if isinstance(t, OmniVlm)})
+OMNI = sorted({t.name for t in tiny_models().values() if isinstance(t, OmniVlm) and "audio" in t.media()})
 # Ranks that differ in audio (and in images): audio on one rank only, each rank one medium, and both media on one
-# rank against none on the other (the audio dummy then runs before the vision dummy, as the forward orders them).
+# rank against none on the other (the audio and vision dummies then run in the forward's order).
 PAIRS = [("audio", "image"), ("image+audio", "text"), ("audio", "text"), ("image+audio", "image")]
+# One family per order of the forward (audio before the vision tower, after it) runs in the default list's hf524;
+# the others repeat a mechanism: breadth.
+DEFAULT = ("qwen2_5_omni_thinker", "dots3_note")
+# The families whose generate the whole-step rank routines drive (Qwen's thinkers: mrope, audio before images).
+GENERATING = ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
 
 
-def _params() -> list[object]:
-    """Every omni family; all but the first are breadth (the first runs in the default list's hf524)."""
-    return [pytest.param(n, marks=BREADTH) if i else n for i, n in enumerate(OMNI)]
+def _params(names: list[str] = OMNI) -> list[object]:
+    """The families as cases: those of ``DEFAULT`` plain, the others breadth; one whose tiny model needs a package
+    this env lacks (Gemma3n's timm tower) is not applicable here (deselected by tests/conftest.py) and runs in the
+    env its tiny model names, as in test_vlm_families.py."""
+    import importlib.util
+
+    cases = []
+    for name in names:
+        tiny = tiny_models()[name]
+        missing = [m for m in getattr(tiny, "requires", ()) if importlib.util.find_spec(m) is None]
+        marks = [pytest.mark.skipif(bool(missing), reason=f"{name} needs {', '.join(missing)}: tox -e "
+                                    f"{getattr(tiny, 'env', '')}")]  # fmt: skip
+        cases.append(pytest.param(name, marks=marks if name in DEFAULT else [BREADTH, *marks]))
+    return cases
 
 
 def _run(name: str, variants: tuple[str, str], mode: str) -> RunResult:
@@ -48,13 +67,21 @@ def test_the_omni_families_are_the_ones_with_an_audio_row() -> None:
     """The tiny models with audio batches are the families whose row aligns an audio tower."""
     from fsdp_compat.runtime.vlm_families import FAMILIES
 
-    assert OMNI == ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]
-    assert sorted(f.name for f in FAMILIES if f.audio is not None) == ["qwen2.5-omni-thinker", "qwen3-omni-moe-thinker"]
+    assert OMNI == ["dots3_note", "gemma3n", "gemma4", "inkling_mm_model", "muse_spark", "nemotron_h_omni",
+                    "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"]  # fmt: skip
+    assert sorted(f.name for f in FAMILIES if f.audio is not None) == [
+        "dots3-note", "gemma3n", "gemma4", "inkling", "muse-spark", "nemotron-h-omni", "qwen2.5-omni-thinker",
+        "qwen3-omni-moe-thinker",
+    ]  # fmt: skip
+    # the two orders a forward runs its audio in: before its vision tower (Qwen), after it (the others)
+    assert sorted(f.name for f in FAMILIES if f.audio is not None and not f.audio.after_vision) == [
+        "qwen2.5-omni-thinker", "qwen3-omni-moe-thinker",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", _params())
 def test_audio_on_one_rank_falls_out_of_step_unaligned(name: str) -> None:
-    run = _run(name, ("audio", "image"), "off")
+    run = _run(name, ("audio", "text"), "off")
     assert not run.ok
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
     assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
@@ -88,7 +115,7 @@ def _whole_step(name: str, variants: tuple[str, str], cases: list[str], mode: st
     )
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", _params(GENERATING))
 def test_generation_log_probs_and_a_step_with_audio_on_one_rank_equal_one_process(name: str) -> None:
     """Rank 0 has images and audio, rank 1 neither. Unaligned, ``generate`` falls out of step; aligned, its tokens
     and every step's scores equal the unsharded model's (``torch.equal``), so do the log-probs (0.0, under no_grad

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lab.vlms import TinyVlm, eager, fixed_pixels
+from lab.vlms.grid import AUDIO_NOTE, VIDEO_NOTE, OmniVlm
 
 _TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 _SIGLIP_64 = {"model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -130,6 +131,12 @@ def _video_llava_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, to
     return {"pixel_values_images": fixed_pixels(config, g, n)["pixel_values"]}
 
 
+def _video_llava_videos(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random videos of 2 frames at the video tower's ``image_size``: ``(n, 2, C, S, S)``."""
+    frames = [fixed_pixels(config, g, 2)["pixel_values"] for _ in range(n)]
+    return {"pixel_values_videos": torch.stack(frames)}
+
+
 def _florence2() -> nn.Module:
     from transformers import Florence2Config, Florence2ForConditionalGeneration
 
@@ -165,6 +172,12 @@ def _inkling() -> nn.Module:
                            audio_token_id=8, image_bos_token_id=6, audio_bos_token_id=7,
                            tie_word_embeddings=False)  # fmt: skip
     return InklingForConditionalGeneration(eager(config))
+
+
+def _inkling_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random clips of two frames of dMel bin tokens, ``(n, 2, n_mel_bins)`` long: two tokens each."""
+    audio = config.audio_config
+    return {"audio_input_ids": torch.randint(0, int(audio.mel_vocab_size), (n, 2, int(audio.n_mel_bins)), generator=g)}
 
 
 def _inkling_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -211,23 +224,27 @@ MODELS = [
         "reorders a sum",
     ),
     TinyVlm(("ovis2",), _ovis2, fixed_pixels, image_token_id=5),
-    TinyVlm(
+    OmniVlm(
         ("video_llava",),
         _video_llava,
         _video_llava_pixels,
         image_token_id=5,
         source="config defaults shrunk (CLIP 2 x 32, image 16, patch 4; Llama 2 x 32)",
-        note="no row: images and videos run through two separate towers (image_tower, video_tower), and a row "
-        "drives one tower's dummy (get_image_features), so a rank with videos against one without would still "
-        "fall out of step; every rank raises the mixed-batch FsdpCompatError",
+        note=VIDEO_NOTE.format(how="a second tower (video_tower), aligned in a column of its own"),
+        clips=None,
+        videos=_video_llava_videos,
+        video_token_id=6,
     ),
-    TinyVlm(
+    OmniVlm(
         ("inkling_mm_model",),
         _inkling,
         _inkling_pixels,
         image_token_id=5,
         source="tester (InklingVision2TextModelTester; text as InklingTextModelTester: hybrid_sliding + hybrid "
         "layers, dense + sparse MLPs), 2 of 16 experts per token; needs scipy (transformers' Inkling tower)",
+        note=AUDIO_NOTE,
+        audio_token_id=8,
+        clips=_inkling_clips,
     ),
     TinyVlm(
         ("florence2",),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,54 +121,119 @@ def _glm5_next() -> nn.Module:
     return Glm5NextForConditionalGeneration(eager(config))
 
 
-_OMNI_NOTE = (
-    "the audio tower (input_features) is aligned too: ranks that differ in audio, in images or in both train at exact "
-    "parity (test_audio_towers.py)"
+#: The note of the families whose row aligns a video path of their own too (``how``: what that path is).
+VIDEO_NOTE = (
+    "videos run through {how}: ranks that differ in images, videos (and audio) train at exact parity "
+    "(test_media_towers.py)"
+)
+
+#: The note of every family whose row aligns its audio encoder too.
+AUDIO_NOTE = (
+    "the audio tower is aligned too: ranks that differ in audio, in images or in both train at exact parity "
+    "(test_audio_towers.py)"
 )
 
 # Mel frames of one random audio clip in an omni batch: both thinkers' encoders give it more than one feature (4 and 2)
 _CLIP = 16
 _AUDIO_FEATURES: dict[str, int] = {}
 
+Clips = Callable[[Any, torch.Generator, int], dict[str, torch.Tensor]]
+
+
+def mel_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random clips of ``_CLIP`` mel frames with their ``feature_attention_mask`` (the Qwen omni thinkers)."""
+    mels = int(config.audio_config.num_mel_bins)
+    return {"input_features": torch.randn(n, mels, _CLIP, generator=g),
+            "feature_attention_mask": torch.ones(n, _CLIP, dtype=torch.long)}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class OmniVlm(TinyVlm):
-    """A Qwen omni thinker, whose micro-batches may carry audio too: variants ``"audio"`` (text rows, one clip each)
-    and ``"image+audio"`` beside ``"image"`` and ``"text"``. Each row starts with its clip's audio placeholders (the
-    count of features one clip gives, counted on the built model)."""
+    """A family whose micro-batches may carry audio or videos besides images: variants ``"text"`` or any ``+``-join
+    of ``"image"``, ``"video"`` (each row one video) and ``"audio"`` (each row one clip). Each row starts with its
+    video's placeholders, then its clip's (the count of features one video / clip gives, counted on the built model,
+    from the output field the family's :class:`~fsdp_compat.runtime.vlm_families.AudioTower` names, and
+    ``get_video_features``' ``pooler_output``). ``clips(config, generator, n)``: the forward's audio keywords for
+    ``n`` random clips (the Qwen omni thinkers' mel clips by default; None: no audio); ``videos``: the same for
+    videos (None: no videos); ``audio_tokens``: placeholders per clip where the forward pads the features to a
+    fixed count (Gemma3n's ``audio_soft_tokens_per_image``; 0: counted)."""
 
     audio_token_id: int = 1
+    clips: Clips | None = mel_clips
+    videos: Clips | None = None
+    video_token_id: int = 0
+    audio_tokens: int = 0
+
+    def media(self) -> tuple[str, ...]:
+        """The media this model's batches may carry besides images."""
+        return tuple(m for m, b in (("video", self.videos), ("audio", self.clips)) if b is not None)
 
     def batch(self, g: torch.Generator, variant: str = "image") -> dict[str, torch.Tensor]:
-        media = variant.split("+")
-        if variant not in ("image", "text", "audio", "image+audio"):
-            raise ValueError(f"{self.name}: variant 'image', 'text', 'audio' or 'image+audio', not {variant!r}")
+        media = set(variant.split("+"))
+        if variant != "text" and not media <= {"image", *self.media()}:
+            raise ValueError(
+                f"{self.name}: variant 'text' or a '+'-join of image, {', '.join(self.media())}: {variant!r}"
+            )
         batch = super().batch(g, "image" if "image" in media else "text")
-        if "audio" not in media:
-            return batch
-        mels = int(vlms._config(self).audio_config.num_mel_bins)
         rows = batch["input_ids"].shape[0]
-        placeholders = torch.full((rows, self.audio_features()), self.audio_token_id)
+        config = vlms._config(self)
+        prefix, extra = [], {}
+        if "video" in media and self.videos is not None:
+            prefix.append(torch.full((rows, self.video_features()), self.video_token_id))
+            extra.update(self.videos(config, g, rows))
+        if "audio" in media and self.clips is not None:
+            prefix.append(torch.full((rows, self.audio_features()), self.audio_token_id))
+            extra.update(self.clips(config, g, rows))
+        if not prefix:
+            return batch
+        placeholders = torch.cat(prefix, dim=1)
         input_ids = torch.cat([placeholders, batch["input_ids"]], dim=1)
-        return {
+        batch = {
             **batch,
             "input_ids": input_ids,
             "attention_mask": torch.ones_like(input_ids),
             "labels": torch.cat([torch.full_like(placeholders, -100), batch["labels"]], dim=1),
-            "input_features": torch.randn(rows, mels, _CLIP, generator=g),
-            "feature_attention_mask": torch.ones(rows, _CLIP, dtype=torch.long),
+            **extra,
         }
+        if "mm_token_type_ids" in batch:  # audio placeholders are not image tokens
+            batch["mm_token_type_ids"] = torch.cat([torch.zeros_like(placeholders), batch["mm_token_type_ids"]], 1)
+        return batch
 
     def audio_features(self) -> int:
-        """Features (placeholder tokens) one clip of ``_CLIP`` frames becomes, counted on the built model."""
+        """Features (placeholder tokens) one clip becomes, counted on the built model: the rows of the output field
+        the forward reads (its ``attention_mask``'s valid frames where the output has one: Gemma4)."""
+        if self.audio_tokens:
+            return self.audio_tokens
         if self.name not in _AUDIO_FEATURES:
+            from fsdp_compat.runtime.vlm_families import FAMILIES
+
+            assert self.clips is not None, self.name
             model = vlms._built(self)
-            mels = int(model.config.audio_config.num_mel_bins)
-            clip = torch.zeros(1, mels, _CLIP), torch.ones(1, _CLIP, dtype=torch.long)
+            inner = vlms.inner_model(model)
+            names = {cls.__name__ for cls in type(inner).__mro__}
+            audio = next(f.audio for f in FAMILIES if names.intersection(f.classes) and f.audio is not None)
+            clip = self.clips(model.config, torch.Generator().manual_seed(0), 1)
             with torch.no_grad():
-                out = vlms.inner_model(model).get_audio_features(*clip, return_dict=True)
-            _AUDIO_FEATURES[self.name] = int(out.last_hidden_state.shape[0])
+                out = inner.get_audio_features(**clip)
+            mask = getattr(out, "attention_mask", None)
+            features = getattr(out, audio.features)
+            count = int(mask.sum()) if mask is not None else features.numel() // features.shape[-1]
+            _AUDIO_FEATURES[self.name] = count
         return _AUDIO_FEATURES[self.name]
+
+    def video_features(self) -> int:
+        """Features (placeholder tokens) one video becomes, counted on the built model (``get_video_features``'
+        ``pooler_output``: one tensor, or one per video)."""
+        key = f"{self.name}:video"
+        if key not in _AUDIO_FEATURES:
+            assert self.videos is not None, self.name
+            model = vlms._built(self)
+            video = self.videos(model.config, torch.Generator().manual_seed(0), 1)
+            with torch.no_grad():
+                pooled = vlms.inner_model(model).get_video_features(**video).pooler_output
+            tensors = list(pooled) if isinstance(pooled, (list, tuple)) else [pooled]
+            _AUDIO_FEATURES[key] = sum(t.numel() // t.shape[-1] for t in tensors)
+        return _AUDIO_FEATURES[key]
 
 
 def _qwen2_5_omni_thinker() -> nn.Module:
@@ -368,7 +434,7 @@ MODELS = [
         _qwen2_5_omni_thinker,
         grid_pixels,
         image_token_id=2,
-        note=_OMNI_NOTE,
+        note=AUDIO_NOTE,
         source="tests/models/qwen2_5_omni thinker tester (2 text layers, not 4)",
     ),
     OmniVlm(
@@ -376,7 +442,7 @@ MODELS = [
         _qwen3_omni_moe_thinker,
         grid_pixels,
         image_token_id=2,
-        note=_OMNI_NOTE,
+        note=AUDIO_NOTE,
         source="tests/models/qwen3_omni_moe thinker tester (2 text layers, not 4)",
     ),
     TinyVlm(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lab.vlms import TinyVlm, eager, grid_pixels
+from lab.vlms.grid import AUDIO_NOTE, VIDEO_NOTE, OmniVlm
 
 # ------------------------------------------------------------------------------------------------- ERNIE 4.5 VL
 
@@ -197,6 +198,14 @@ def _dots3_note() -> nn.Module:
     return Dots3NoteForConditionalGeneration(eager(config))
 
 
+def _dots3_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random chunks of 16 mel frames, ``(n, feature_size, 16)``, and their ``chunk_sample_lengths`` (16
+    hops: two tokens each)."""
+    audio = config.audio_config
+    return {"input_features": torch.randn(n, int(audio.feature_size), 16, generator=g),
+            "chunk_sample_lengths": torch.full((n,), 16 * int(audio.hop_length), dtype=torch.long)}  # fmt: skip
+
+
 # -------------------------------------------------------------------------------------------------------- LFM3-VL
 
 
@@ -354,6 +363,13 @@ def _muse_glimmer() -> nn.Module:
     return MuseGlimmerForConditionalGeneration(eager(config))
 
 
+def _dots3_videos(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random videos as :func:`lab.vlms.grid_pixels`' patch rows, as ``pixel_values_videos`` and
+    ``video_grid_thw`` (dots3 encodes them with ``get_image_features``: the vision tower's own parameters)."""
+    pixels = grid_pixels(config, g, n)
+    return {"pixel_values_videos": pixels["pixel_values"], "video_grid_thw": pixels["image_grid_thw"]}
+
+
 def _muse_spark() -> nn.Module:
     """MuseSpark: no tester stored; the config defaults shrunk (text: hidden 32, 4 heads of 8, 2 kv, a sliding then
     a full layer, both MoE of 4 experts of 16, top 2; vision: MuseGlimmer's tester sizes (same tower code); audio:
@@ -376,6 +392,14 @@ def _muse_spark() -> nn.Module:
     return MuseSparkForConditionalGeneration(eager(config))
 
 
+def _muse_spark_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random waveforms of two tokens' samples each, ``(n, 2 * samples_per_token)``, all real
+    (``input_values_mask``)."""
+    samples = 2 * int(config.audio_config.samples_per_token)
+    return {"input_values": torch.randn(n, samples, generator=g),
+            "input_values_mask": torch.ones(n, samples, dtype=torch.long)}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------ Nemotron-H Omni (RADIO)
 
 
@@ -391,7 +415,8 @@ def grid_hw_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.T
 def _nemotron_h_omni() -> nn.Module:
     """Nemotron-H Omni: the tester's sizes (NemotronH text hidden 32, 4 heads of 8, 2 kv, 4 experts of 40, top 2;
     RADIO vision hidden 32, 4 heads, patch 16, image 32, max 64, 2 class tokens, 1 register; projector 64,
-    downsample 0.5), the text stack cut to the tester's attention and MoE blocks (2 layers), no audio."""
+    downsample 0.5), the text stack cut to the tester's attention and MoE blocks (2 layers); a Parakeet audio
+    encoder of 2 layers of 32 (8 mel bins, subsampling 4, no dropout, so that training is deterministic)."""
     from transformers import NemotronH_Omni_Reasoning_V3, NemotronH_Omni_Reasoning_V3_Config
 
     text = {"model_type": "nemotron_h", "vocab_size": 128, "hidden_size": 32,
@@ -403,11 +428,30 @@ def _nemotron_h_omni() -> nn.Module:
     vision = {"model_type": "radio", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "mlp_ratio": 2.0, "patch_size": 16, "image_size": 32, "max_img_size": 64, "num_channels": 3,
               "num_cls_tokens": 2, "num_registers": 1, "video_temporal_patch_size": 2}  # fmt: skip
-    config = NemotronH_Omni_Reasoning_V3_Config(text_config=text, vision_config=vision, audio_config=None,
+    audio = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+             "num_mel_bins": 8, "subsampling_factor": 4, "subsampling_conv_channels": 8, "conv_kernel_size": 3,
+             "max_position_embeddings": 64, "dropout": 0.0, "dropout_positions": 0.0, "layerdrop": 0.0,
+             "activation_dropout": 0.0, "attention_dropout": 0.0, "projection_hidden_size": 32,
+             "projection_bias": False}  # fmt: skip
+    config = NemotronH_Omni_Reasoning_V3_Config(text_config=text, vision_config=vision, audio_config=audio,
                                                 downsample_ratio=0.5, vision_hidden_size=32,
                                                 projector_hidden_size=64, image_token_id=10, video_token_id=10,
-                                                tie_word_embeddings=False)  # fmt: skip
+                                                audio_token_id=11, tie_word_embeddings=False)  # fmt: skip
     return NemotronH_Omni_Reasoning_V3(eager(config))
+
+
+def _nemotron_videos(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random videos of 2 tubelets of 2 x 4 patches, ``(n, 2, T * C, 2p, 4p)``: 2 features per tubelet."""
+    vision = config.vision_config
+    patch, channels = int(vision.patch_size), int(config.video_temporal_patch_size) * int(vision.num_channels)
+    return {"pixel_values_videos": torch.randn(n, 2, channels, 2 * patch, 4 * patch, generator=g)}
+
+
+def _nemotron_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random clips of two tokens' mel frames, ``(n, 2 * subsampling_factor, mels)``."""
+    audio = config.audio_config
+    frames = 2 * int(audio.subsampling_factor)
+    return {"input_features": torch.randn(n, frames, int(audio.num_mel_bins), generator=g)}
 
 
 MODELS = [
@@ -439,12 +483,17 @@ MODELS = [
         image_token_id=4,
         source="tester (its legacy config keys, which 5.24 still maps)",
     ),
-    TinyVlm(
+    OmniVlm(
         ("dots3_note",),
         _dots3_note,
         grid_pixels,
         image_token_id=10,
         source="tester (get_tiny_config, DSA off, special tokens below 16)",
+        note=AUDIO_NOTE,
+        audio_token_id=12,
+        clips=_dots3_clips,
+        videos=_dots3_videos,
+        video_token_id=11,
     ),
     TinyVlm(("lfm3_vl",), _lfm3_vl, grid_pixels, source="no tester stored: the config defaults shrunk"),
     TinyVlm(("cosmos3_edge",), _cosmos3_edge, grid_pixels, image_token_id=3),
@@ -455,8 +504,10 @@ MODELS = [
         token_patch_pixels,
         source="no tester stored: the config defaults shrunk",
         parity="measured",
-        note=_INKLING_NOTE.format(alone="3.7e-08 in gradients (embed_tokens), 1.4e-06 in parameters after 2 AdamW "
-                                  "steps", aligned="2.8e-08 and 1.6e-07: the alignment adds no error of its own"),
+        note=_INKLING_NOTE.format(
+            alone="3.7e-08 in gradients (embed_tokens), 1.4e-06 in parameters after 2 AdamW steps",
+            aligned="2.8e-08 and 1.6e-07: the alignment adds no error of its own",
+        ),
     ),
     TinyVlm(
         ("inkling2_loop",),
@@ -465,11 +516,15 @@ MODELS = [
         source="no tester stored: the config defaults shrunk (Inkling 2's sizes)",
         parity="measured",
         adamw_eps_param="model.vision_tower.merger.linear_2.weight",
-        note=_INKLING_NOTE.format(alone="4.5e-08 in gradients, 5.9e-07 in parameters after one AdamW step", aligned=(
-            "5.2e-08 in gradients (1.2x), but 1.5e-04 in parameters: one element of "
-            "vision_tower.merger.linear_2.weight gets a gradient below AdamW's eps (1e-8) from the image rank "
-            "alone, and lr * g / (|g| + eps) turns its rounding into a parameter step, so the test makes one "
-            "step and holds that parameter to lr (1e-3)")),
+        note=_INKLING_NOTE.format(
+            alone="4.5e-08 in gradients, 5.9e-07 in parameters after one AdamW step",
+            aligned=(
+                "5.2e-08 in gradients (1.2x), but 1.5e-04 in parameters: one element of "
+                "vision_tower.merger.linear_2.weight gets a gradient below AdamW's eps (1e-8) from the image rank "
+                "alone, and lr * g / (|g| + eps) turns its rounding into a parameter step, so the test makes one "
+                "step and holds that parameter to lr (1e-3)"
+            ),
+        ),
     ),
     TinyVlm(
         ("muse_glimmer",),
@@ -478,17 +533,29 @@ MODELS = [
         image_token_id=3,
         source="tester (its kwargs over VLMModelTester's defaults)",
     ),
-    TinyVlm(
+    OmniVlm(
         ("muse_spark",),
         _muse_spark,
         muse_pixels,
         image_token_id=3,
         source="no tester stored: the config defaults shrunk",
+        note=AUDIO_NOTE,
+        audio_token_id=5,
+        clips=_muse_spark_clips,
     ),
-    TinyVlm(
+    OmniVlm(
         ("nemotron_h_omni",),
         _nemotron_h_omni,
         grid_hw_pixels,
-        source="tester (text cut to an attention and a MoE block, no audio)",
+        source="tester (text cut to an attention and a MoE block; a shrunk Parakeet audio encoder)",
+        note=f"{AUDIO_NOTE}; "
+        + VIDEO_NOTE.format(how="the vision tower's video patch projection, aligned in a column of its own")
+        + "; not images and videos on one rank: the forward fills both from the image token (video_token_id is "
+        "not read), so such a batch fails its own placeholder check on one process too (ValueError: Got 4 feature "
+        "vectors for 12 placeholder tokens (id 10); test_media_towers.py)",
+        audio_token_id=11,
+        clips=_nemotron_clips,
+        videos=_nemotron_videos,
+        video_token_id=10,
     ),
 ]

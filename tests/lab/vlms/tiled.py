@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lab.vlms import TinyVlm, eager, fixed_pixels
+from lab.vlms.grid import AUDIO_NOTE, OmniVlm
 
 IMAGE = 10  # the image placeholder token of every model here (special ids < 16)
 
@@ -182,20 +183,34 @@ def _gemma4() -> nn.Module:
         pooling_kernel_size=2,
         position_embedding_size=64,
     )
-    config = Gemma4Config(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=7,
-                          audio_token_id=8, boi_token_id=5, eoi_token_id=6, mm_tokens_per_image=4,
+    # the USM conformer shrunk: 2 layers of 32, 8 mel bins (the first conv's channels), chunks of 4
+    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[8, 4],
+                 conv_kernel_size=3, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
+                 output_proj_dims=32)  # fmt: skip
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, image_token_id=IMAGE,
+                          video_token_id=7, audio_token_id=8, boi_token_id=5, eoi_token_id=6, mm_tokens_per_image=4,
                           tie_word_embeddings=False)  # fmt: skip
     return Gemma4ForConditionalGeneration(eager(config))
 
 
+def _gemma4_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random clips of 8 mel frames with their all-valid ``input_features_mask``: two tokens each."""
+    mels = int(config.audio_config.subsampling_conv_channels[0])
+    return {"input_features": torch.randn(n, 8, mels, generator=g),
+            "input_features_mask": torch.ones(n, 8, dtype=torch.bool)}  # fmt: skip
+
+
 MODELS += [
-    TinyVlm(
+    OmniVlm(
         ("gemma4",),
         _gemma4,
         positioned_pixels,
         IMAGE,
         source="tester (vision hidden 32 patch 5 pooling 2; text hidden 32, per-layer input 16), 2 text layers "
-        "without kv sharing or MoE",
+        "without kv sharing or MoE; a USM audio encoder shrunk to 2 layers of 32",
+        note=AUDIO_NOTE,
+        audio_token_id=8,
+        clips=_gemma4_clips,
     ),
 ]
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lab.vlms import TinyVlm, eager
+from lab.vlms.grid import AUDIO_NOTE, OmniVlm
 
 _TEXT = {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "intermediate_size": 37, "hidden_act": "gelu", "max_position_embeddings": 512, "pad_token_id": 1,
@@ -31,6 +32,11 @@ class TimmVlm(TinyVlm):
 
     requires: tuple[str, ...] = ("timm",)
     env: str = "families524-timm"
+
+
+@dataclass(frozen=True)
+class TimmOmniVlm(TimmVlm, OmniVlm):
+    """A timm-tower family whose batches may carry audio too (Gemma3n)."""
 
 
 def _side(config: Any) -> int:
@@ -84,7 +90,7 @@ def _gemma3n() -> nn.Module:
     vision = {"architecture": "vit_pe_core_large_patch14_336", "hidden_size": 32, "model_args": pe}
     audio = {"input_feat_size": 32, "hidden_size": 32, "conf_num_attention_heads": 4, "conf_num_hidden_layers": 2,
              "sscp_conv_channel_size": (16, 8), "conf_conv_kernel_size": 3, "conf_attention_chunk_size": 4,
-             "conf_attention_context_left": 5}  # fmt: skip
+             "conf_attention_context_left": 5, "vocab_offset": 0}  # fmt: skip
     config = Gemma3nConfig(text_config=text, vision_config=vision, audio_config=audio, image_token_id=3, boi_token_id=4,
                            eoi_token_id=5, boa_token_id=6, eoa_token_id=7, audio_token_id=8,
                            vision_soft_tokens_per_image=4, audio_soft_tokens_per_image=4,
@@ -92,13 +98,35 @@ def _gemma3n() -> nn.Module:
     return Gemma3nForConditionalGeneration(eager(config))
 
 
+def _gemma3n_clips(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """``n`` random clips of 8 mel frames with the processor's all-valid ``input_features_mask`` (True: a real
+    frame; the forward inverts it for the tower)."""
+    mels = int(config.audio_config.input_feat_size)
+    return {"input_features": torch.randn(n, 8, mels, generator=g),
+            "input_features_mask": torch.ones(n, 8, dtype=torch.bool)}  # fmt: skip
+
+
 MODELS: list[TinyVlm] = [
-    TimmVlm(("perception_lm",), _perception_lm, _tiles,
-            source="tester's PE ViT (vit_pe_core_large_patch14_336 through model_args), 32 wide, 2 deep, "
-            "28 x 28: 2 x 2 patches of 14"),
+    TimmVlm(
+        ("perception_lm",),
+        _perception_lm,
+        _tiles,
+        source="tester's PE ViT (vit_pe_core_large_patch14_336 through model_args), 32 wide, 2 deep, "
+        "28 x 28: 2 x 2 patches of 14",
+    ),
     TimmVlm(("fast_vlm",), _fast_vlm, _images, source="tester (FastViT fastvit_mci3 of 2 stages, 16 x 16)"),
-    TimmVlm(("gemma3n",), _gemma3n, _images, image_token_id=3,
-            source="tester (its PE ViT stand-in for MobileNetV5, which timm builds at full size only; 2 text layers, "
-            "no KV sharing)",
-            note="its audio encoder (audio_tower) is not aligned: ranks must agree on having audio"),
+    TimmOmniVlm(
+        ("gemma3n",),
+        _gemma3n,
+        _images,
+        image_token_id=3,
+        source="tester (its PE ViT stand-in for MobileNetV5, which timm builds at full size only; 2 text "
+        "layers, no KV sharing; audio vocab_offset 0: the forward pads the audio tokens with the text vocab's last "
+        "id, which the audio embedder reads at that id minus its offset, out of range with the default 262272 and a "
+        "128-token vocab: IndexError)",
+        note=AUDIO_NOTE,
+        audio_token_id=8,
+        clips=_gemma3n_clips,
+        audio_tokens=4,
+    ),
 ]

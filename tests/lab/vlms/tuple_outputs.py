@@ -72,12 +72,17 @@ def _tokens(config: Any) -> int:
 
 
 MODELS: list[TinyVlm] = [
-    ShapeVlm(("llama4",), _llama4, fixed_pixels, tokens=_tokens,
-             source="config defaults shrunk (vision 32 wide, 16 x 16 images of 4 x 4 patches; text MoE of 2 experts)",
-             note="run through config.return_dict=False with return_dict=True passed (the dict output and "
-             "return_dict=False alone raise in transformers 5.24: tests/lab/vlms/tuple_outputs.py); the forward "
-             "projects get_image_features' last_hidden_state with multi_modal_projector itself, so the row names that "
-             "projector and the dummy's features pass through it (without it the aligned run aborts in backward, gloo "
-             "8448 vs 7424 bytes in the root group's reduce-scatter: multi_modal_projector.linear_1.weight has a "
-             "gradient on the image rank only)"),
+    ShapeVlm(
+        ("llama4",),
+        _llama4,
+        fixed_pixels,
+        tokens=_tokens,
+        source="config defaults shrunk (vision 32 wide, 16 x 16 images of 4 x 4 patches; text MoE of 2 experts)",
+        note="run through config.return_dict=False with return_dict=True passed (the dict output and "
+        "return_dict=False alone raise in transformers 5.24: tests/lab/vlms/tuple_outputs.py); the forward "
+        "projects get_image_features' last_hidden_state with multi_modal_projector itself, so the row names that "
+        "projector and the dummy's features pass through it (without it the aligned run aborts in backward, gloo "
+        "8448 vs 7424 bytes in the root group's reduce-scatter: multi_modal_projector.linear_1.weight has a "
+        "gradient on the image rank only)",
+    ),
 ]
