@@ -27,6 +27,7 @@ __all__ = [
     "GLM4V_USER_PLAN",
     "TINY",
     "build_tiny",
+    "model_class",
     "run_native",
     "save_tiny",
     "tiny_batches",
@@ -80,23 +81,56 @@ TINY: dict[str, tuple[Callable[[], Any], str, str]] = {
 }
 
 
-def build_tiny(name: str, *, seed: int = 0) -> Any:
-    """A tiny model of :data:`TINY`, fp32, weights a function of ``seed`` only."""
-    import torch
+def _entry(name: str) -> tuple[Callable[[], Any], str, str]:
+    """:data:`TINY`'s entry; any other zoo name (e.g. ``"lab.vlms:<model_type>"``, a family's tiny model) is its own
+    batch name, loaded through its own class (``"module:qualname"``)."""
+    if name in TINY:
+        return TINY[name]
+    if name in _ENTRIES:
+        return _ENTRIES[name]
+    from fsdp_compat.testing.zoo import build_model, is_vlm
 
-    if name not in TINY:
+    if not is_vlm(name):
         from fsdp_compat.errors import FsdpCompatError
 
-        raise FsdpCompatError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY)}")
+        raise FsdpCompatError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY)} or a zoo VLM")
+
+    def build() -> Any:
+        return build_model(name)
+
+    cls = type(build())
+    _ENTRIES[name] = build, f"{cls.__module__}:{cls.__qualname__}", name
+    return _ENTRIES[name]
+
+
+_ENTRIES: dict[str, tuple[Callable[[], Any], str, str]] = {}
+
+
+def model_class(name: str) -> Any:
+    """The class whose ``from_pretrained`` loads tiny model ``name``'s checkpoint."""
+    import importlib
+
+    import transformers
+
+    spec = _entry(name)[1]
+    module, _, qualname = spec.rpartition(":")
+    return getattr(importlib.import_module(module), qualname) if module else getattr(transformers, qualname)
+
+
+def build_tiny(name: str, *, seed: int = 0) -> Any:
+    """A tiny model of :data:`TINY` (or a zoo VLM), fp32, weights a function of ``seed`` only."""
+    import torch
+
+    build = _entry(name)[0]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = TINY[name][0]()
+        model = build()
     return model.float()
 
 
 def save_tiny(name: str, directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
     """``save_pretrained`` a tiny model into ``directory/name`` and return that path."""
-    path = Path(directory) / name
+    path = Path(directory) / name.replace(":", "-")
     build_tiny(name, seed=seed).save_pretrained(path)
     return path
 
@@ -104,7 +138,7 @@ def save_tiny(name: str, directory: str | os.PathLike[str], *, seed: int = 0) ->
 def tiny_batches(name: str, world_size: int, *, seed: int = 0, variants: list[str] | None = None) -> list[Any]:
     """Every rank's micro-batch (:func:`~fsdp_compat.testing.parity.rank_batches`): rank r's seed
     is ``seed + r``, ``variants[r]`` its kind for a vision-language model."""
-    cfg = {"model": TINY[name][2], "seed": seed, "world_size": world_size, "variants": variants}
+    cfg = {"model": _entry(name)[2], "seed": seed, "world_size": world_size, "variants": variants}
     return rank_batches(cfg, "cpu")
 
 
@@ -198,7 +232,7 @@ def train_native(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankR
     import transformers
 
     init_gloo(cfg, rank)
-    cls = getattr(transformers, TINY[cfg["name"]][1])
+    cls = model_class(cfg["name"])
     distributed = transformers.DistributedConfig(fsdp_size=cfg["world_size"], fsdp_plan=cfg["fsdp_plan"])
     load = {"dtype": torch.float32, "attn_implementation": "eager"}
     model = cls.from_pretrained(cfg["model_dir"], distributed_config=distributed, **load)

@@ -193,8 +193,9 @@ def _batch(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     }
     if "pixel_values" in batch:
         training_batch = importlib.import_module(_PACKAGES[cfg["distribution"]].rsplit(".", 1)[0] + ".training_batch")
-        out["pixel_values"] = training_batch.TensorList([batch["pixel_values"]])
-        out["image_grid_thw"] = training_batch.TensorList([batch["image_grid_thw"]])
+        for key in ("pixel_values", "image_grid_thw"):  # the image fields a SkyRL experience carries
+            if key in batch:
+                out[key] = training_batch.TensorList([batch[key]])
     return out
 
 

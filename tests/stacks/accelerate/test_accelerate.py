@@ -28,6 +28,7 @@ from importlib import metadata
 from typing import Any
 
 import pytest
+from lab.stack_families import STACKS
 from lab.support import rank_pythonpath, require_framework
 from packaging.version import Version
 
@@ -111,6 +112,31 @@ def test_rank_without_images_crashes_then_trains_exactly_through_accelerate(mode
     assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
     assert [r.extra["guard_unshards"] for r in on.ranks] == [0, 0]  # accelerate's grouping is safe: guard idle
     assert any(PASSED in line for line in on.ranks[0].extra["log"]), on.ranks[0].extra["log"]
+    assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
+
+
+#: One family of every other tower kind that transformers 5.10.4 has (lab.stack_families), the patch grid being
+#: GLM4V's and Qwen2.5-VL's above.
+KIND_FAMILIES = STACKS["accelerate"]
+#: Where the unpatched run crashes before any mismatch: Gemma4's per-layer-input read of a sharded weight (as in
+#: transformers' own Gemma4 plan, tests/stacks/transformers).
+UNPATCHED_CRASH = {"lab.vlms:gemma4": "aten.where.self got mixed torch.Tensor and DTensor"}
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, id=kind) for kind, m in KIND_FAMILIES.items()])
+def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_through_accelerate(model: str) -> None:
+    """As above, for one family of each tower kind, with accelerate's own groups (its ``_no_split_modules`` rule
+    gives the family's vision blocks groups of their own): unpatched, gloo aborts (Gemma4: its own wrap crash
+    first); patched, rank 1 runs one dummy tower call per forward and both ranks are exact (0.0)."""
+    variants = ["image", "text"]
+    off = run(model, variants, OFF)
+    assert not off.ok, "expected the collective mismatch, but it ran"
+    assert UNPATCHED_CRASH.get(model, MISMATCH) in _output(off), _output(off)[-4000:]
+
+    on = run(model, variants, ON)
+    _assert_exact(on)
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in on.ranks] == [0, 2]  # one per forward, 2 steps
+    assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
     assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
 
 

@@ -23,6 +23,7 @@ from importlib import metadata
 from typing import Any
 
 import pytest
+from lab.stack_families import STACKS
 from lab.support import rank_pythonpath, require_framework
 from packaging.version import Version
 
@@ -112,6 +113,42 @@ def test_rank_without_images_crashes_then_trains_exactly_through_nemo(model: str
     assert [r.extra["guard_unshards"] for r in on.ranks] == [0, 0]  # NeMo's grouping is safe: guard idle
     assert any(PASSED in line for line in on.ranks[0].extra["log"]), on.ranks[0].extra["log"]
     assert not any(PASSED in line for line in on.ranks[1].extra["log"])  # rank 0 only
+
+
+#: One family of every other tower kind that transformers 5.18.0 has (lab.stack_families), the patch grid being
+#: GLM4V's and Qwen2.5-VL's above.
+KIND_FAMILIES = STACKS["nemo_automodel"]
+#: Where the unpatched run fails otherwise than by gloo's size mismatch: Gemma4's per-layer-input read of a sharded
+#: weight crashes first (as in transformers' own Gemma4 plan); Emu3's ranks fall out of step (the VQ encoder's blocks
+#: get no gradient, so the text rank runs out of collectives first, finishes, and the image rank's next all-gather
+#: finds the peer gone).
+UNPATCHED = {
+    "lab.vlms:gemma4": "aten.where.self got mixed torch.Tensor and DTensor",
+    "lab.vlms:emu3": "Connection closed by peer",
+}
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, id=kind) for kind, m in KIND_FAMILIES.items()])
+def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_through_nemo(model: str) -> None:
+    """As above, for one family of each tower kind, with NeMo's own groups (every ``nn.ModuleList`` child: the
+    family's vision blocks among them): unpatched, gloo aborts (or, :data:`UNPATCHED`, another crash first, or the
+    ranks fall out of step); patched, rank 1 runs one dummy tower call per forward and both ranks are exact (0.0)."""
+    off = run("nemo_rank", OFF, model=model, variants=["image", "text"])
+    assert not off.ok, "expected the collective mismatch, but it ran"
+    assert UNPATCHED.get(model, MISMATCH) in _output(off), _output(off)[-4000:]
+
+    on = run("nemo_rank", ON, model=model, variants=["image", "text"])
+    on.raise_for_error()
+    for rank in on.ranks:
+        extra = rank.extra
+        print(f"{model} rank {rank.rank}: Δgrad {extra['grad_diff']} Δparam {extra['param_diff']} ({on.seconds:.1f}s)")
+        assert extra["patched"] is True
+        assert extra["grad_diff"] == 0.0, extra["worst_grad_param"]  # NaN fails too
+        assert extra["param_diff"] == 0.0, extra["worst_param"]
+        assert extra["losses"] == extra["reference_losses"]
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in on.ranks] == [0, 2]  # one per forward, 2 steps
+    assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
+    assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
 
 
 def test_image_ranks_train_exactly_with_and_without_fsdp_compat() -> None:

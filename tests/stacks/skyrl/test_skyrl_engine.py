@@ -43,7 +43,8 @@ import pytest
 
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 
-from lab.support import STUBS, rank_pythonpath, require_framework  # noqa: E402
+from lab.stack_families import STACKS  # noqa: E402
+from lab.support import BREADTH, STUBS, rank_pythonpath, require_framework  # noqa: E402
 
 from fsdp_compat.testing.skyrl_smoke import installed_skyrl  # noqa: E402
 
@@ -220,6 +221,46 @@ if MIXED_MODELS:
             assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra)
             assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
         # rank 0 never needed a dummy; rank 1 ran one per forward; every forward exchanged the tower-call counts
+        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
+        assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
+        print(f"{RELEASE} {model} image|text: off -> {MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+
+
+#: One family of every other tower kind whose images SkyRL's experience carries (``pixel_values``, with
+#: ``image_grid_thw`` where the kind has one) and transformers 5.16.1 has (lab.stack_families), the patch grid being
+#: GLM4V's and Qwen2.5-VL's above.
+KIND_FAMILIES = STACKS["skyrl"] if MIXED_MODELS else {}
+
+if KIND_FAMILIES:
+
+    @pytest.mark.slow
+    @pytest.mark.timeout(300)
+    @pytest.mark.parametrize("model", [pytest.param(m, id=kind, marks=BREADTH) for kind, m in KIND_FAMILIES.items()])
+    def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(
+        tmp_path: Any, model: str
+    ) -> None:
+        """As the GLM4V case, for one family of each tower kind, loaded by HFModelWrapper from a saved checkpoint and
+        sharded by SkyRL's ``apply_fsdp2`` (its own wrap rule, the family's vision blocks among the groups):
+        unaligned, gloo aborts; aligned, rank 1 runs one dummy tower call per forward and both ranks are exact."""
+        from fsdp_compat.testing.zoo import build_model
+
+        path = tmp_path / "model"
+        build_model(model).save_pretrained(path)
+        cfg = {"path": str(path), "model": model, "seed": 0, "steps": STEPS, "variants": ["image", "text"]}
+        off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
+        assert not off.ok, "expected the collective mismatch, but it ran"
+        text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+        assert MISMATCH in current_wording(text), text[-3000:]
+        result = _run("init_and_train", cfg)
+        result.raise_for_error()
+        assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
+            result.max_abs_grad_diff,
+            result.ranks[0].extra.get("worst_grad_param"),
+            result.max_abs_param_diff,
+        )
+        for rank in result.ranks:
+            assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra)
+            assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
         assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
         assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
         print(f"{RELEASE} {model} image|text: off -> {MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")

@@ -18,7 +18,8 @@ import importlib
 from pathlib import Path
 
 import pytest
-from lab.support import require_framework
+from lab.stack_families import STACKS, tower_layers, tower_plan
+from lab.support import BREADTH, require_framework
 
 from fsdp_compat.policies import Auto, Legacy
 
@@ -129,6 +130,57 @@ def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
     assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
+
+
+#: One family of every other tower kind (lab.stack_families: the smallest exact one transformers 5.25 has), the
+#: patch grid being GLM4V's above.
+KIND_FAMILIES = STACKS["transformers"]
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, id=kind, marks=BREADTH) for kind, name in KIND_FAMILIES.items()]
+)
+def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(name, tmp_path):
+    """As the GLM4V case, for one family of each tower kind: the user's plan gives each block of the family's vision
+    tower (the module its row names) one group, and each text layer one. With the alignment off rank 0's vision-block
+    all-gathers meet rank 1's text-layer ones (gloo aborts); with fsdp-compat rank 1 runs one dummy tower call per
+    forward and both ranks equal one process on both micro-batches (0.0)."""
+    model = build_tiny(name)
+    plan = tower_plan(model)
+    layers = tower_layers(model)
+    first = layers if plan.get(layers) else f"{layers}.0"
+    path = save_tiny(name, tmp_path)
+    variants = ["image", "text"]
+    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert MISMATCH in current_wording(text), text[-3000:]
+    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
+    assert_exact(run)
+    assert [first] in run.ranks[0].extra["fsdp_groups"], run.ranks[0].extra["fsdp_groups"]
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
+    assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
+
+
+@BREADTH
+def test_audio_rank_against_text_rank_crashes_then_trains_exactly(tmp_path):
+    """The audio tower kind (Qwen2.5-Omni's thinker, ``lab.vlms``): rank 0 audio, rank 1 text only, the user's plan
+    giving each audio encoder layer and each text layer a group. Unaligned, rank 0's audio-layer all-gathers meet
+    rank 1's text-layer ones (gloo aborts); aligned, rank 1 runs one dummy clip per forward and both ranks equal one
+    process (0.0)."""
+    name = "lab.vlms:qwen2_5_omni_thinker"
+    plan = {"model.audio_tower.layers.*": "free_full_weight", "model.language_model.layers.*": "free_full_weight"}
+    path = save_tiny(name, tmp_path)
+    variants = ["audio", "text"]
+    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert MISMATCH in current_wording(text), text[-3000:]
+    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
+    assert_exact(run)
+    assert ["model.audio_tower.layers.0"] in run.ranks[0].extra["fsdp_groups"]
+    assert [r.extra["mixed_batches"]["audio_dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 0]  # no image on either rank
 
 
 def test_exported_plan_trains_exact_through_transformers_alone(checkpoints):
