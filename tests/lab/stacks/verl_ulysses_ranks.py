@@ -1,7 +1,7 @@
 """Rank-side code for verl's engine with Ulysses sequence parallelism: 4 ranks, 2 data-parallel groups of 2
 sequence-parallel ranks (verl's ``(dp, sp)`` device mesh: ranks 0, 1 are data-parallel group 0, ranks 2, 3 group 1).
 Also, with a case's ``sp`` 1, verl's engine without it (GLM4V's sibling GLM4V-MoE, which verl has no forward of its
-own for: tests/stacks/verl/test_verl_engine_siblings.py).
+own for: tests/stacks/verl_sp/test_verl_engine_siblings.py).
 
 What each case does is what :mod:`lab.stacks.verl_engine_ranks` does for 2 ranks (verl's own ``TrainingWorker``,
 ``train_batch``, verl's SFT collator; the patch-14 GLM4V, the zoo's Qwen2.5-VL or GLM4V-MoE: :data:`FAMILIES`), with
