@@ -570,8 +570,8 @@ def _qwen_probe(env: dict[str, str]) -> dict[str, Any]:
 def test_qwen_forward_text_only_is_repaired() -> None:
     """What verl's engine runs for Qwen2.5-VL (tests/stacks/verl_sp/test_verl_ulysses.py), in one process without FSDP:
     verl's Qwen2.5-VL forward on a text-only micro-batch fails in verl's own dummy on transformers 5
-    (FSDP_COMPAT=off); with fsdp-compat installed it gives transformers' own logits bit for bit, on the image micro-
-    batch too (the repair changes nothing else)."""
+    (FSDP_COMPAT=off); with fsdp-compat installed it gives transformers' own logits bit for bit, on the image
+    micro-batch too (the repair changes nothing else)."""
     off = _qwen_probe({"FSDP_COMPAT": "off"})
     assert not off["state"]["patched"] and not off["state"]["qwen2_vl_repaired"], off["state"]
     assert off["text"] == {"error": MEAN_CRASH}, off
