@@ -9,13 +9,13 @@ by default they stay in step and parity is exact again. Every row must pass for 
 
 from __future__ import annotations
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH, GRID_SAMPLER_CRASH
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
 __all__ = ["GRID_SAMPLER_CRASH", "MIXED_BATCH_MISMATCH", "run"]
 
-GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
-MIXED_BATCH_MISMATCH = "Received data size doesn't match expected size"
+MIXED_BATCH_MISMATCH = GLOO_MISMATCH
 _LEGACY, _AUTO = "fsdp_compat.testing.wraps:core_legacy", "fsdp_compat.testing.wraps:core_auto"
 _GUARD_OFF = {"FSDP_COMPAT_GUARD": "off"}  # the guard would turn the legacy crash into parity
 _MIXED_OFF = {"FSDP_COMPAT_MIXED_BATCHES": "off"}

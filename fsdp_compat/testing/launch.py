@@ -26,13 +26,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
+
 __all__ = ["RankResult", "RunResult", "current_wording", "rank_entry", "run_ranks", "spawn_ranks"]
 
 #: Errors that older torch releases word differently: (older wording, the wording of torch >= 2.10).
 _OLDER_WORDINGS = (
     (".default: got mixed", ".default got mixed"),  # DTensor's mixed-operand error, torch 2.8
     # gloo's mismatched collective (one rank's all-gather or reduce-scatter larger than the other's), torch 2.8
-    ("op.preamble.length <= op.nbytes", "Received data size doesn't match expected size"),
+    ("op.preamble.length <= op.nbytes", GLOO_MISMATCH),
 )
 
 

@@ -27,6 +27,7 @@ from packaging.version import Version
 
 from fsdp_compat import switches
 from fsdp_compat.known_limits import SKYRL_GLM4V_POLICY_RELEASES, skyrl_loads_glm4v
+from fsdp_compat.testing.crashes import GRID_SAMPLER_CRASH
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
@@ -47,7 +48,6 @@ __all__ = [
     "wrap_strategy",
 ]
 
-GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
 SET_INDEX_CRASH = "TypeError: 'set' object is not subscriptable"
 MPP_IMPORT_ERROR = "cannot import name 'MixedPrecisionPolicy'"
 

@@ -26,6 +26,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from fsdp_compat import switches
+from fsdp_compat.testing.crashes import GRID_SAMPLER_CRASH
 from fsdp_compat.testing.parity import run_training
 from fsdp_compat.testing.smoke import SmokeRow, format_smoke_table
 
@@ -45,7 +46,6 @@ __all__ = [
     "wrap_verl",
 ]
 
-GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
 FUSED_CRASH = "got mixed torch.Tensor and DTensor"
 ADAPTER_MODULE = "fsdp_compat.adapters.verl"
 

@@ -27,7 +27,10 @@ SOURCES = ("fsdp_compat", "adapters", "src_pth", "setup.py", "pyproject.toml", "
 HEAVY = ("torch", "wrapt", "packaging", "logging", "fsdp_compat.activation", "verl", "skyrl", "skyrl_train")
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_COMPAT", "PYTHON"))}
 #: ``fsdp_compat.testing``, the public kit: the zoo, skeletons, rank launching, parity, the smoke tables
-KIT = ("__init__", "zoo", "skeleton", "launch", "parity", "smoke", "core_smoke", "verl_smoke", "skyrl_smoke", "wraps")
+KIT = (
+    "__init__", "zoo", "skeleton", "launch", "crashes", "parity", "smoke", "core_smoke", "verl_smoke", "skyrl_smoke",
+    "wraps",
+)  # fmt: skip
 #: the project's own test lab (tests/lab/, imported as ``lab``): never in the wheel
 LAB = ("read_corpus", "guard_models", "checkpoints", "transformers_smoke", "peft_glm4v")
 

@@ -22,13 +22,13 @@ from lab.support import BREADTH, DEVICE
 from lab.vlms import tiny_models
 from lab.vlms.grid import OmniVlm
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 from fsdp_compat.testing.parity import run_training
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 AUTO = "fsdp_compat.testing.wraps:core_auto"
-MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
 CORE = Path(__file__).resolve().parents[1] / "runtime"  # the generation rank routines
 OMNI = sorted({t.name for t in tiny_models().values() if isinstance(t, OmniVlm) and "audio" in t.media()})
@@ -84,7 +84,7 @@ def test_audio_on_one_rank_falls_out_of_step_unaligned(name: str) -> None:
     run = _run(name, ("audio", "text"), "off")
     assert not run.ok
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
-    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+    assert (GLOO_MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
 
 
 @pytest.mark.parametrize("variants", PAIRS, ids="|".join)
@@ -124,7 +124,7 @@ def test_generation_log_probs_and_a_step_with_audio_on_one_rank_equal_one_proces
     unaligned = _whole_step(name, ("image+audio", "text"), ["generate"], "off")
     assert not unaligned.ok
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in unaligned.ranks)
-    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+    assert (GLOO_MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
     run = _whole_step(name, ("image+audio", "text"), ["generate", "logprobs", "train"], "sync")
     run.raise_for_error()
     for r in run.ranks:

@@ -20,13 +20,13 @@ from lab.support import DEVICE
 from lab.vlms import tiny_models
 
 from fsdp_compat.runtime.vlm_families import FAMILIES
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording
 from fsdp_compat.testing.parity import run_training
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 AUTO = "fsdp_compat.testing.wraps:core_auto"
-MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
 #: Tiny model -> its row's name.
 ROWS = {"video_llava": "video-llava", "nemotron_h_omni": "nemotron-h-omni", "dots3_note": "dots3-note"}
@@ -74,7 +74,7 @@ def test_videos_on_one_rank_fall_out_of_step_unaligned(name: str) -> None:
     run = _run(name, ("video", "text"), "off")
     assert not run.ok
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
-    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+    assert (GLOO_MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
 
 
 @pytest.mark.parametrize(("name", "variants"), CASES, ids=[f"{n}-{'|'.join(p)}" for n, p in CASES])

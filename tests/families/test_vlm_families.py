@@ -40,13 +40,13 @@ from lab.families import (
 from lab.support import DEVICE
 
 from fsdp_compat.runtime.mixed_batches import FAMILIES
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RankResult, RunResult, current_wording
 from fsdp_compat.testing.parity import PARITY_TOL, run_training
 
 pytestmark = [pytest.mark.timeout(300)]
 
 AUTO = "fsdp_compat.testing.wraps:core_auto"
-MISMATCH = "Received data size doesn't match expected size"
 DOC = Path(__file__).resolve().parents[2] / "docs" / "families.md"
 DISCOVERED = discover_vlms()
 
@@ -108,7 +108,7 @@ def _assert_mismatch(run: RunResult, own: str = "") -> None:
     if own:
         assert own in (run.ranks[1].error or ""), text[-3000:]
         return
-    assert (MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
+    assert (GLOO_MISMATCH in current_wording(text)) if DEVICE == "cpu" else ("timed out" in text), text[-3000:]
 
 
 def _assert_exact(run: RunResult) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -64,3 +64,20 @@ def require_framework(name: str, probe: Callable[[], T | None]) -> T:
             pytrace=False,
         )
     return found
+
+
+#: The ranks' fsdp-compat switches all unset: the defaults a user gets (a test's own environment cannot leak in).
+ON: dict[str, str | None] = {
+    "FSDP_COMPAT": None,
+    "FSDP_COMPAT_POLICY": None,
+    "FSDP_COMPAT_MIXED_BATCHES": None,
+    "FSDP_COMPAT_GUARD": None,
+}
+#: The same with fsdp-compat off: the framework as it is, for the crash shown first.
+OFF: dict[str, str | None] = {**ON, "FSDP_COMPAT": "off"}
+
+
+def rank_output(result: Any) -> str:
+    """Every rank's traceback and output tail of a ``RunResult`` (a rank that gloo aborts reports only its
+    output)."""
+    return "\n".join(f"--- rank {r.rank} ---\n{r.error}\n{r.extra.get('log_tail', '')}" for r in result.ranks)

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from lab.support import BREADTH, DEVICE, WORLD_SIZE, rank_pythonpath
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
-MISMATCH = "Received data size doesn't match expected size"
 MIXED = "got mixed torch.Tensor and DTensor"
 WORLD = max(WORLD_SIZE, 2)
 IMAGE_AND_TEXT = ["image"] + ["text"] * (WORLD - 1)
@@ -59,7 +59,7 @@ def _assert_out_of_step(run: RunResult) -> None:
     assert not run.ok
     text = _text(run)
     if DEVICE == "cpu":
-        assert MISMATCH in current_wording(text), text[-3000:]
+        assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     else:  # NCCL: a hang, ended by the launcher's deadline
         assert "timed out" in text, text[-3000:]
 
@@ -133,7 +133,8 @@ def test_ranks_that_stop_at_different_lengths_need_synced_gpus() -> None:
         assert f"rank {r.rank}: case 0:sample started" in text, text[-3000:]
         # the waiting rank's collective times out (or mismatches); the rank it waited for then loses its peer
         seen = current_wording(text).lower()
-        assert any(sign.lower() in seen for sign in (MISMATCH, "timed out", "closed by peer", "reset by peer")), text
+        signs = (GLOO_MISMATCH, "timed out", "closed by peer", "reset by peer")
+        assert any(sign.lower() in seen for sign in signs), text
         # the rank with the fewest new tokens left generate; a rank with more was still decoding
         assert (f"rank {r.rank}: case 0:sample finished" in text) == (r.rank % 2 == 0), text[-3000:]
 

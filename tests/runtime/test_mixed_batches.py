@@ -16,13 +16,13 @@ from lab.support import BREADTH, DEVICE, WORLD_SIZE
 
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.runtime.mixed_batches import FAMILIES, install_mixed_batches, mixed_batches_mode
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording
 from fsdp_compat.testing.parity import run_training
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 AUTO = "fsdp_compat.testing.wraps:core_auto"
-MISMATCH = "Received data size doesn't match expected size"
 # One rank with images, the others none (on GPU: one NCCL rank per GPU, rank 0 the image rank).
 IMAGE_AND_TEXT = ["image"] + ["text"] * (max(WORLD_SIZE, 2) - 1)
 WORLD = len(IMAGE_AND_TEXT)
@@ -63,7 +63,7 @@ def _assert_mismatch(run: RunResult) -> None:
     assert not run.ok
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
     if DEVICE == "cpu":
-        assert MISMATCH in current_wording(text), text[-3000:]
+        assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     else:  # NCCL: a hang, ended by the harness deadline
         assert "timed out" in text, text[-3000:]
 

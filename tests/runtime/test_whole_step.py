@@ -31,13 +31,13 @@ from typing import Any
 import pytest
 from lab.support import BREADTH, rank_pythonpath
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 ROUTINE = "lab.whole_step:whole_step_rank"
 MODELS = ["glm4v", pytest.param("qwen2.5-vl", marks=BREADTH)]
-MISMATCH = "Received data size doesn't match expected size"
 STEPS = 2
 VARIANTS = ["image", "text"]  # one batch a rank, for the cases without accumulation
 IMAGE_THEN_TEXT = [["image", "text"], ["text", "image"]]  # [rank][micro-batch], for accumulation
@@ -55,7 +55,7 @@ def _assert_mismatch(model: str, case: dict[str, Any]) -> None:
     run = _run(model, [case], mode="off", timeout_s=120.0)
     assert not run.ok
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in run.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
 
 
 def _cases(run: RunResult) -> list[list[dict[str, Any]]]:

@@ -29,10 +29,11 @@ from typing import Any
 
 import pytest
 from lab.stack_families import STACKS
-from lab.support import rank_pythonpath, require_framework
+from lab.support import OFF, ON, rank_output, rank_pythonpath, require_framework
 from packaging.version import Version
 
 from fsdp_compat.policies import Auto
+from fsdp_compat.testing.crashes import GLOO_MISMATCH, GRID_SAMPLER_CRASH
 
 require_framework("accelerate", lambda: importlib.import_module("accelerate.utils.fsdp_utils"))
 
@@ -41,14 +42,10 @@ from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 pytestmark = pytest.mark.timeout(400)
 
 ACCELERATE = metadata.version("accelerate")
-MISMATCH = "Received data size doesn't match expected size"
-GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
 #: the modules that bind ``fsdp2_prepare_model`` by name (oracle: grep of accelerate 1.15.0 and 1.16.0)
 BINDINGS = ["accelerate.utils.fsdp_utils", "accelerate.utils", "accelerate.accelerator"]
 ACTIVATED = f"fsdp-compat: patched accelerate {ACCELERATE} (policy auto, activated by pth-hook)"
 PASSED = "FSDP2 groups below the root pass fsdp-compat's safety check (kept as they are)"
-ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None, "FSDP_COMPAT_GUARD": None}
-OFF = {**ON, "FSDP_COMPAT": "off"}
 #: accelerate's own selection for the zoo's VLMs (its rule, written here again): every ``_no_split_modules`` block,
 #: the untied input embedding, the tail ``[final norm, lm_head]`` (no final norm directly under ``model``: lm_head
 #: alone), the root. The vision position table (read raw by its parent) stays in the root.
@@ -71,11 +68,6 @@ def run(model: str, variants: list[str], env: dict[str, str | None], **cfg: Any)
         timeout_s=240,
         env={"PYTHONPATH": rank_pythonpath(), **env},
     )
-
-
-def _output(result: RunResult) -> str:
-    """Every rank's traceback and output tail (a rank that gloo aborts reports only its output)."""
-    return "\n".join(f"--- rank {r.rank} ---\n{r.error}\n{r.extra.get('log_tail', '')}" for r in result.ranks)
 
 
 def _assert_exact(result: RunResult) -> None:
@@ -101,7 +93,7 @@ def test_rank_without_images_crashes_then_trains_exactly_through_accelerate(mode
     variants = ["image", "text"]
     off = run(model, variants, OFF)
     assert not off.ok, "expected the collective mismatch, but it ran"
-    assert MISMATCH in _output(off), _output(off)[-4000:]
+    assert GLOO_MISMATCH in rank_output(off), rank_output(off)[-4000:]
     assert all(r.extra["patched"] == [False, False, False] for r in off.ranks if "patched" in r.extra)
 
     on = run(model, variants, ON)
@@ -131,7 +123,7 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_throug
     variants = ["image", "text"]
     off = run(model, variants, OFF)
     assert not off.ok, "expected the collective mismatch, but it ran"
-    assert UNPATCHED_CRASH.get(model, MISMATCH) in _output(off), _output(off)[-4000:]
+    assert UNPATCHED_CRASH.get(model, GLOO_MISMATCH) in rank_output(off), rank_output(off)[-4000:]
 
     on = run(model, variants, ON)
     _assert_exact(on)

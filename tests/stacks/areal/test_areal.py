@@ -14,6 +14,8 @@ import importlib
 import pytest
 from lab.support import rank_pythonpath, require_framework
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
+
 require_framework("AReaL's FSDP engine", lambda: importlib.import_module("areal.engine.fsdp_utils.parallel"))
 
 from fsdp_compat.testing.launch import current_wording  # noqa: E402
@@ -55,7 +57,6 @@ def test_text_model_keeps_areals_groups():
 
 # ------------------------------------------------------------------ different data per rank, mixed micro-batches
 
-MISMATCH = "Received data size doesn't match expected size"
 
 
 def _run_variants(model: str, variants: list[str], timeout_s: float = 240, **env: str | None):
@@ -97,7 +98,7 @@ def test_rank_without_images_crashes_then_trains_exactly_through_areal(model):
     off = _run_variants(model, variants, timeout_s=60, FSDP_COMPAT=None, FSDP_COMPAT_MIXED_BATCHES="off")
     assert not off.ok, "expected the collective mismatch, but it ran"
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     result = _run_variants(model, variants, FSDP_COMPAT=None, FSDP_COMPAT_POLICY=None, FSDP_COMPAT_MIXED_BATCHES=None)
     _assert_exact(result)
     print(f"AReaL {model} image|text: Δgrad {result.max_abs_grad_diff:.3g} Δparam {result.max_abs_param_diff:.3g} abs")

@@ -24,11 +24,12 @@ from importlib import metadata
 from typing import Any
 
 import pytest
-from lab.support import rank_pythonpath, require_framework
+from lab.support import OFF, ON, rank_output, rank_pythonpath, require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from fsdp_compat.policies import Auto
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 
 require_framework("axolotl", lambda: importlib.import_module("axolotl.monkeypatch.accelerate.fsdp2"))
 
@@ -38,13 +39,10 @@ pytestmark = pytest.mark.timeout(400)
 
 AXOLOTL = metadata.version("axolotl")
 AXOLOTL_FN = "axolotl.monkeypatch.accelerate.fsdp2.fsdp2_prepare_model"
-MISMATCH = "Received data size doesn't match expected size"
 ACTIVATED = f"fsdp-compat: patched axolotl {AXOLOTL} (policy auto, activated by pth-hook): {AXOLOTL_FN}"
 PASSED = "axolotl's 4 FSDP2 groups below the root pass fsdp-compat's safety check (kept as they are)"
 #: accelerate's binding and axolotl's module global: both fsdp-compat's wrapper of axolotl's function
 BINDINGS = ["accelerate.accelerator", "axolotl.monkeypatch.accelerate.fsdp2"]
-ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None, "FSDP_COMPAT_GUARD": None}
-OFF = {**ON, "FSDP_COMPAT": "off"}
 #: axolotl's selection for tiny GLM4V (its rule, written here again): every ``_no_split_modules`` block
 #: (accelerate's auto-wrap policy), no embedding and no output-embedding group (unlike accelerate's own function),
 #: the root. The vision position table (read raw by its parent) stays in the root.
@@ -65,11 +63,6 @@ def run(variants: list[str], env: dict[str, str | None]) -> RunResult:
         timeout_s=240,
         env={"PYTHONPATH": rank_pythonpath(), **env},
     )
-
-
-def _output(result: RunResult) -> str:
-    """Every rank's traceback and output tail (a rank that gloo aborts reports only its output)."""
-    return "\n".join(f"--- rank {r.rank} ---\n{r.error}\n{r.extra.get('log_tail', '')}" for r in result.ranks)
 
 
 def _assert_exact(result: RunResult) -> None:
@@ -101,7 +94,7 @@ def test_rank_without_images_crashes_then_trains_exactly_through_axolotl() -> No
     variants = ["image", "text"]
     off = run(variants, OFF)
     assert not off.ok, "expected the collective mismatch, but it ran"
-    assert MISMATCH in _output(off), _output(off)[-4000:]
+    assert GLOO_MISMATCH in rank_output(off), rank_output(off)[-4000:]
     for rank in off.ranks:
         if "binding" in rank.extra:  # recorded before the abort
             assert (rank.extra["binding"], rank.extra["wrapped"]) == (AXOLOTL_FN, False)

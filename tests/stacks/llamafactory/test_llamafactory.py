@@ -29,6 +29,7 @@ import pytest
 from lab.support import rank_pythonpath, require_framework
 
 from fsdp_compat.testing.core_smoke import GRID_SAMPLER_CRASH
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
 require_framework(
@@ -122,7 +123,7 @@ def test_rank_without_images_falls_out_of_step_then_trains_exactly() -> None:
     off = run("glm4v", ["image", "text"], FSDP_COMPAT=None, FSDP_COMPAT_POLICY=None, FSDP_COMPAT_MIXED_BATCHES="off")
     assert not off.ok
     text = "\n".join(f"{r.error}{r.extra.get('log_tail', '')}" for r in off.ranks)
-    assert "Received data size doesn't match expected size" in current_wording(text), text[-2000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-2000:]
     result = run("glm4v", ["image", "text"], FSDP_COMPAT=None, FSDP_COMPAT_POLICY=None)
     result.raise_for_error()
     groups = {path for group in result.ranks[0].extra["groups"] for path in group}
@@ -174,7 +175,7 @@ def test_rank_without_images_through_mains_vision_block_groups() -> None:
     off = run_main("glm4v", "fsdp2", ["image", "text"], **ON, FSDP_COMPAT_MIXED_BATCHES="off")
     assert not off.ok
     text = "\n".join(f"{r.error}{r.extra.get('log_tail', '')}" for r in off.ranks)
-    assert "Received data size doesn't match expected size" in current_wording(text), text[-2000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-2000:]
     result = run_main("glm4v", "fsdp2", ["image", "text"], **ON)
     result.raise_for_error()
     groups = {path for group in result.ranks[0].extra["groups"] for path in group}

@@ -41,6 +41,8 @@ from typing import Any
 
 import pytest
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
+
 DEVICE = os.environ.get("FSDP_COMPAT_TEST_DEVICE", "cpu")
 
 from lab.stack_families import STACKS  # noqa: E402
@@ -68,7 +70,6 @@ RELEASE = f"{DISTRIBUTION} {VERSION}"
 MODEL = "glm4v" if loads_glm4v(DISTRIBUTION, VERSION) else "qwen2"
 UNPATCHED_CRASH = GRID_SAMPLER_CRASH if MODEL == "glm4v" else SET_INDEX_CRASH
 NO_CUDA = "AssertionError: Torch not compiled with CUDA enabled"
-MISMATCH = "Received data size doesn't match expected size"
 #: VLMs this release's HFModelWrapper loads (AutoModelForImageTextToText, skyrl >= 0.2) for the mixed-batch cases:
 #: GLM4V and a Qwen2.5-VL (its forward passes pixel_values / image_grid_thw only when the micro-batch has them).
 MIXED_MODELS = ("glm4v", "qwen2.5-vl") if MODEL == "glm4v" else ()
@@ -209,7 +210,7 @@ if MIXED_MODELS:
         off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
         assert not off.ok, "expected the collective mismatch, but it ran"
         text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-        assert MISMATCH in current_wording(text), text[-3000:]
+        assert GLOO_MISMATCH in current_wording(text), text[-3000:]
         result = _run("init_and_train", cfg)
         result.raise_for_error()
         assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
@@ -223,7 +224,7 @@ if MIXED_MODELS:
         # rank 0 never needed a dummy; rank 1 ran one per forward; every forward exchanged the tower-call counts
         assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
         assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
-        print(f"{RELEASE} {model} image|text: off -> {MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+        print(f"{RELEASE} {model} image|text: off -> {GLOO_MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
 
 
 #: One family of every other tower kind whose images SkyRL's experience carries (``pixel_values``, with
@@ -250,7 +251,7 @@ if KIND_FAMILIES:
         off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
         assert not off.ok, "expected the collective mismatch, but it ran"
         text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-        assert MISMATCH in current_wording(text), text[-3000:]
+        assert GLOO_MISMATCH in current_wording(text), text[-3000:]
         result = _run("init_and_train", cfg)
         result.raise_for_error()
         assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
@@ -263,7 +264,7 @@ if KIND_FAMILIES:
             assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
         assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
         assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
-        print(f"{RELEASE} {model} image|text: off -> {MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+        print(f"{RELEASE} {model} image|text: off -> {GLOO_MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
 
 
 # ---------------------------------------------------------------------------------- the real FSDPStrategy

@@ -22,6 +22,7 @@ from lab.stack_families import STACKS, tower_layers, tower_plan
 from lab.support import BREADTH, require_framework
 
 from fsdp_compat.policies import Auto, Legacy
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 
 transformers = importlib.import_module("transformers")
 # transformers < 5.16 (the core env) has no native FSDP2
@@ -47,7 +48,6 @@ pytestmark = pytest.mark.timeout(300)
 OFF = {"FSDP_COMPAT": "off"}
 ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None}
 MIXED_OFF = {**ON, "FSDP_COMPAT_MIXED_BATCHES": "off"}
-MISMATCH = "Received data size doesn't match expected size"
 #: A user plan that shards GLM4V's vision blocks on their own (a large tower's usual choice).
 MIXED_PLAN = {"model.visual.blocks.*": "free_full_weight"}
 
@@ -124,7 +124,7 @@ def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
     off = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=MIXED_OFF, variants=variants, timeout_s=60)
     assert not off.ok, describe(off)
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     run = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=ON, variants=variants)
     assert_exact(run)
     assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
@@ -154,7 +154,7 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(name, 
     off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
     assert not off.ok, describe(off)
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
     assert_exact(run)
     assert [first] in run.ranks[0].extra["fsdp_groups"], run.ranks[0].extra["fsdp_groups"]
@@ -175,7 +175,7 @@ def test_audio_rank_against_text_rank_crashes_then_trains_exactly(tmp_path):
     off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
     assert not off.ok, describe(off)
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
     assert_exact(run)
     assert ["model.audio_tower.layers.0"] in run.ranks[0].extra["fsdp_groups"]

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lab.support import rank_pythonpath, require_framework
+from lab.support import OFF, ON, rank_output, rank_pythonpath, require_framework
+
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 
 require_framework("TRL's SFTTrainer", lambda: importlib.import_module("trl.trainer.sft_trainer"))
 
@@ -20,9 +22,6 @@ from fsdp_compat.testing.launch import RunResult, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
-MISMATCH = "Received data size doesn't match expected size"
-ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None, "FSDP_COMPAT_GUARD": None}
-OFF = {**ON, "FSDP_COMPAT": "off"}
 
 
 def run(variants: list[str], env: dict[str, str | None], tmp_path: Path, **cfg: Any) -> RunResult:
@@ -35,10 +34,6 @@ def run(variants: list[str], env: dict[str, str | None], tmp_path: Path, **cfg: 
     )
 
 
-def _output(result: RunResult) -> str:
-    return "\n".join(f"--- rank {r.rank} ---\n{r.error}\n{r.extra.get('log_tail', '')}" for r in result.ranks)
-
-
 def test_sft_trainer_rank_without_images_crashes_then_trains_exactly(tmp_path: Path) -> None:
     """Unpatched, the text-only rank falls out of step in the vision blocks' all-gathers and gloo aborts. With
     fsdp-compat installed, 2 SFTTrainer steps equal one process on both batches with the mean loss: gradients and
@@ -46,7 +41,7 @@ def test_sft_trainer_rank_without_images_crashes_then_trains_exactly(tmp_path: P
     LM head is the next test)."""
     off = run(["image", "text"], OFF, tmp_path, plain_loss=True)
     assert not off.ok, "expected the collective mismatch, but it ran"
-    assert MISMATCH in _output(off), _output(off)[-4000:]
+    assert GLOO_MISMATCH in rank_output(off), rank_output(off)[-4000:]
 
     on = run(["image", "text"], ON, tmp_path, plain_loss=True)
     on.raise_for_error()

@@ -21,6 +21,8 @@ from lab.support import require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from fsdp_compat.testing.crashes import GRID_SAMPLER_CRASH
+
 VERL = require_framework("verl", lambda: Version(metadata.version("verl")))
 ray = require_framework("ray", lambda: importlib.import_module("ray"))
 
@@ -28,7 +30,6 @@ pytestmark = [pytest.mark.slow]
 
 TIMEOUT_S = 300.0
 ADAPTER_MODULE = "fsdp_compat.adapters.verl"
-GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
 
 
 class Trainer:

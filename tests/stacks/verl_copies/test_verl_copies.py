@@ -16,6 +16,8 @@ import os
 import pytest
 from lab.support import rank_pythonpath, require_framework
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
+
 #: distribution -> (the module defining apply_fsdp2, the rank wrap fn that calls it)
 COPIES = {
     "lmms-engine": ("lmms_engine.utils.fsdp2_utils", "lab.stacks.verl_copies_ranks:wrap_lmms_engine"),
@@ -36,7 +38,6 @@ from fsdp_compat.testing.parity import run_training  # noqa: E402
 pytestmark = pytest.mark.timeout(400)
 
 GRID_SAMPLER = "aten.grid_sampler_2d.default got mixed torch.Tensor and DTensor"
-MISMATCH = "Received data size doesn't match expected size"
 ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None}
 
 
@@ -83,7 +84,7 @@ def test_glm4v_rank_without_images_crashes_unaligned_then_trains_exactly():
     off = run("glm4v", variants, timeout_s=60, FSDP_COMPAT=None, FSDP_COMPAT_MIXED_BATCHES="off")
     assert not off.ok, "expected the collective mismatch, but it ran"
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
     result = run("glm4v", variants, **ON)
     assert_exact(result)
     print(f"{DISTRIBUTION} image|text: Δgrad {result.max_abs_grad_diff:.3g} Δparam {result.max_abs_param_diff:.3g}")

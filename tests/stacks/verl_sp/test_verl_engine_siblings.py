@@ -24,6 +24,8 @@ from lab.support import rank_pythonpath, require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
+
 VERL = require_framework("verl", lambda: Version(metadata.version("verl")))
 
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks  # noqa: E402
@@ -34,7 +36,6 @@ TIMEOUT_S = 180.0
 #: the launch that hangs: gloo's collective timeout, and how long the crashed rank stays alive (as a Ray actor's
 #: process does after its method raised) so that the other waits as it would on a cluster
 COLLECTIVE_TIMEOUT_S, HOLD_S = 20.0, 25.0  # 20 s: slack for a rank slowed by a busy host
-MISMATCH = "Received data size doesn't match expected size"
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 #: sp 1, no remove padding, fp32, the clip made a no-op: the comparison can be exact
 MOE = {
@@ -100,7 +101,7 @@ def test_alignment_off_aborts_on_the_collective_mismatch(moe_dir: str) -> None:
     assert not result.ok, "expected the collective mismatch, but it trained"
     assert result.seconds < TIMEOUT_S, result.seconds  # an abort, not a hang
     text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in result.ranks)
-    assert MISMATCH in current_wording(text), text[-3000:]
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
 
 
 def test_image_and_text_ranks_train_exactly(moe_dir: str) -> None:
