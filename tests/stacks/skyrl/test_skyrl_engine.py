@@ -195,6 +195,30 @@ def test_fsdp_init_model_trains_with_exact_parity(saved: dict[str, str]) -> None
 
 # --------------------------------------------------------------- mixed micro-batches: images on one rank only
 
+def _image_text_crashes_then_trains_exactly(cfg: dict[str, Any]) -> None:
+    """Rank 0 images, rank 1 text only, through ``init_and_train``: with the alignment off gloo aborts; with it, rank
+    1 runs one dummy tower call per forward, every forward exchanges the counts, and both ranks equal one process
+    (losses, gradients and post-AdamW parameters ``== 0.0``), SkyRL's ``apply_fsdp2`` patched by the .pth hook."""
+    off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
+    assert not off.ok, "expected the collective mismatch, but it ran"
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
+    result = _run("init_and_train", cfg)
+    result.raise_for_error()
+    assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
+        result.max_abs_grad_diff,
+        result.ranks[0].extra.get("worst_grad_param"),
+        result.max_abs_param_diff,
+    )
+    for rank in result.ranks:
+        assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra)
+        assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
+    assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
+    model = cfg["model"]
+    print(f"{RELEASE} {model} image|text: off -> {GLOO_MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+
+
 if MIXED_MODELS:
 
     @pytest.mark.slow
@@ -207,24 +231,7 @@ if MIXED_MODELS:
         ``apply_fsdp2``) rank 1 runs one zero dummy tower call per forward and both ranks equal one process trained
         on both micro-batches with the mean loss: gradients and post-AdamW parameters asserted ``== 0.0``."""
         cfg = {"path": saved[model], "model": model, "seed": 0, "steps": STEPS, "variants": ["image", "text"]}
-        off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
-        assert not off.ok, "expected the collective mismatch, but it ran"
-        text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-        assert GLOO_MISMATCH in current_wording(text), text[-3000:]
-        result = _run("init_and_train", cfg)
-        result.raise_for_error()
-        assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
-            result.max_abs_grad_diff,
-            result.ranks[0].extra.get("worst_grad_param"),
-            result.max_abs_param_diff,
-        )
-        for rank in result.ranks:
-            assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra)
-            assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
-        # rank 0 never needed a dummy; rank 1 ran one per forward; every forward exchanged the tower-call counts
-        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
-        assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
-        print(f"{RELEASE} {model} image|text: off -> {GLOO_MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+        _image_text_crashes_then_trains_exactly(cfg)
 
 
 #: One family of every other tower kind whose images SkyRL's experience carries (``pixel_values``, with
@@ -248,23 +255,7 @@ if KIND_FAMILIES:
         path = tmp_path / "model"
         build_model(model).save_pretrained(path)
         cfg = {"path": str(path), "model": model, "seed": 0, "steps": STEPS, "variants": ["image", "text"]}
-        off = _run("init_and_train", cfg, timeout_s=90, FSDP_COMPAT_MIXED_BATCHES="off")
-        assert not off.ok, "expected the collective mismatch, but it ran"
-        text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-        assert GLOO_MISMATCH in current_wording(text), text[-3000:]
-        result = _run("init_and_train", cfg)
-        result.raise_for_error()
-        assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0, (
-            result.max_abs_grad_diff,
-            result.ranks[0].extra.get("worst_grad_param"),
-            result.max_abs_param_diff,
-        )
-        for rank in result.ranks:
-            assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra)
-            assert rank.extra["strategy_apply_fsdp2_patched"] and rank.extra["probe"]["activated_by"] == "pth-hook"
-        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, STEPS], result.ranks[1].extra
-        assert [r.extra["mixed_batches"]["exchanges"] for r in result.ranks] == [STEPS, STEPS]
-        print(f"{RELEASE} {model} image|text: off -> {GLOO_MISMATCH}; on Δgrad=0.0 Δparam=0.0 ({result.seconds:.1f}s)")
+        _image_text_crashes_then_trains_exactly(cfg)
 
 
 # ---------------------------------------------------------------------------------- the real FSDPStrategy
