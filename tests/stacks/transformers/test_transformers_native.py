@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lab.stack_families import STACKS, tower_layers, tower_plan
@@ -137,6 +138,18 @@ def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
 KIND_FAMILIES = STACKS["transformers"]
 
 
+def _unaligned_aborts_then_exact(name: str, path: Any, plan: dict[str, str], variants: list[str]) -> Any:
+    """``variants`` per rank through transformers' native FSDP2 with ``plan``: with the alignment off gloo aborts;
+    with fsdp-compat both ranks equal one process (0.0). Returns the exact run."""
+    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
+    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
+    assert_exact(run)
+    return run
+
+
 @pytest.mark.parametrize(
     "name", [pytest.param(name, id=kind, marks=BREADTH) for kind, name in KIND_FAMILIES.items()]
 )
@@ -151,12 +164,7 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(name, 
     first = layers if plan.get(layers) else f"{layers}.0"
     path = save_tiny(name, tmp_path)
     variants = ["image", "text"]
-    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
-    assert not off.ok, describe(off)
-    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
-    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
-    assert_exact(run)
+    run = _unaligned_aborts_then_exact(name, path, plan, variants)
     assert [first] in run.ranks[0].extra["fsdp_groups"], run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
@@ -172,12 +180,7 @@ def test_audio_rank_against_text_rank_crashes_then_trains_exactly(tmp_path):
     plan = {"model.audio_tower.layers.*": "free_full_weight", "model.language_model.layers.*": "free_full_weight"}
     path = save_tiny(name, tmp_path)
     variants = ["audio", "text"]
-    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
-    assert not off.ok, describe(off)
-    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
-    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
-    assert_exact(run)
+    run = _unaligned_aborts_then_exact(name, path, plan, variants)
     assert ["model.audio_tower.layers.0"] in run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["audio_dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 0]  # no image on either rank
