@@ -41,7 +41,11 @@ a fixed resolution, Pixtral's ``image_sizes``, Idefics3's tiles, ...). A row may
 families) and a video path of its own (Video-LLaVA's second tower, Nemotron-H Omni's video projection): each is a
 count of its own in the same exchange, and its dummies run where the forward runs that medium (the Qwen thinkers'
 audio before the vision tower, other audio and videos after it). A row may also name a projector the forward applies
-to the tower's output outside ``get_image_features`` (Llama4): the dummy's features pass through it. A model whose
+to the tower's output outside ``get_image_features`` (Llama4): the dummy's features pass through it. And a row may
+name modules its forward runs once per image of a tower call (MiniCPM-V's merger MLPs, which NeMo Automodel gives
+FSDP2 groups of their own): the exchange carries each rank's images per call, and a dummy packs as many images as the
+call it pairs with (where real calls differ in images and those modules are groups, every rank raises instead of
+hanging; mode ``always`` and a dummy for a call outside the forward pack one image). A model whose
 forward is not transformers' own (verl replaces the GLM4V and Qwen-VL forwards with ones that run their own dummy) is
 left alone. A vision-language model outside the table whose vision tower is sharded gets the same exchange and,
 where ranks differ, one :class:`~fsdp_compat.errors.FsdpCompatError` on every rank naming the model class, the ranks
@@ -560,7 +564,12 @@ class _KnownFamily(MixedBatches):
             for spec, kind in ((family.audio, "audio"), (family.video, "video"))
             if spec is not None and _has_module(inner, spec.tower)
         ]
-        self._columns = 1 + len(self._media)
+        # modules run once per image of a call (MiniCPM-V's merger MLPs): one more column per entry of the row's
+        # inputs, that call's images, so that a dummy packs as many images as the call it pairs with
+        per_image = family.per_image
+        self._per_image = per_image if per_image is not None and _has_module(inner, per_image.module) else None
+        self._images: tuple[int, ...] = ()  # images of each tower call of the longest call sequence; () = one each
+        self._columns = 1 + len(self._media) + (len(family.inputs) if self._per_image is not None else 0)
         # the forward's order: media before the vision tower, the vision tower, then videos, then audio
         after = sorted((m for m in self._media if m.spec.after_vision), key=lambda m: m.kind != "video")
         self._order: list[_Medium | None] = [m for m in self._media if not m.spec.after_vision] + [_VISION, *after]
@@ -595,8 +604,16 @@ class _KnownFamily(MixedBatches):
         medium (all clips, all videos in one call)."""
         return tuple(int(all(inputs.get(n) is not None for n in m.spec.inputs)) for m in self._media)
 
+    def _own_images(self, inputs: dict[str, Any]) -> tuple[int, ...]:
+        """Images of each of the row's tower calls in this rank's forward (0 where it is not made), where the row
+        names modules run once per image (:class:`~.vlm_families.PerImage`); else nothing."""
+        if self._per_image is None:
+            return ()
+        return tuple(int(n) for n in self._per_image.count(inputs))
+
     def _inputs_shown(self) -> tuple[str, ...]:
-        return self.family.inputs + tuple(n for m in self._media for n in m.spec.inputs)
+        per_image = self._per_image.inputs if self._per_image is not None else ()
+        return self.family.inputs + tuple(n for m in self._media for n in m.spec.inputs) + per_image
 
     def _aligned(self) -> bool:
         inner = self._inner()
@@ -621,6 +638,7 @@ class _KnownFamily(MixedBatches):
         self._device = _input_device(inputs, module)
         visible = _shows(module, self._inputs_shown())
         own, own_media = self._own_calls(inputs), self._own_media(inputs)
+        own_images = self._own_images(inputs)
         if self._decode_step(inputs):
             if own or any(own_media):
                 raise FsdpCompatError(
@@ -639,7 +657,7 @@ class _KnownFamily(MixedBatches):
                 self._exchanged = True
             return
         while True:  # until no rank is calling the tower outside a forward
-            counts = self._exchange(own, *own_media)
+            counts = self._exchange(own, *own_media, *own_images)
             if min(_column(counts).values()) != _OUTSIDE:
                 break
             self._outside_dummy(module, self._device)
@@ -651,6 +669,7 @@ class _KnownFamily(MixedBatches):
         """Mode ``always``: at least one call of every aligned tower, no exchange."""
         self._target = max(own, 1)
         self._set_media([max(n, 1) for n in own_media])
+        self._images = ()  # no exchange: a dummy packs one image
 
     def _set_target(self, own: int, own_media: tuple[int, ...], counts: dict[int, tuple[int, ...]]) -> None:
         vision = _column(counts)
@@ -664,9 +683,48 @@ class _KnownFamily(MixedBatches):
             medium.target = max(_column(counts, i).values())
             if mine < medium.target:
                 logger.debug("fsdp-compat: mixed micro-batches: %s: no %s here: dummy", self.root_class, medium.kind)
+        self._images = self._call_images(counts) if self._per_image is not None else ()
+
+    def _call_images(self, counts: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
+        """The images of each tower call of the longest call sequence any rank makes: a rank that makes fewer
+        calls tops up with dummies that pack as many images as the calls they pair with, so the row's per-image
+        modules run as often on every rank. Where the per-image modules hold an FSDP2 group of their own and the
+        ranks' real calls differ in images (or a shorter sequence is not the start of the longest), no dummy can
+        pair them: the same error on every rank, instead of a hang."""
+        first, last = 1 + len(self._media), 1 + len(self._media) + len(self.family.inputs)
+        calls = {rank: tuple(n for n in row[first:last] if n > 0) for rank, row in counts.items()}
+        longest = max(calls.values(), key=len)
+        if all(seq == longest[: len(seq)] for seq in calls.values()) or not self._per_image_sharded():
+            return longest
+        module = self._per_image.module if self._per_image is not None else ""
+        where = f"{self.path}.{module}" if self.path else module
+        groups = ", ".join(f"{where}.{path}" if path else where for path in self._per_image_groups())
+        raise FsdpCompatError(
+            f"fsdp-compat: mixed micro-batches: {self.root_class} runs {where} once per image of each vision tower "
+            f"call, and that module holds FSDP2 groups of its own ({groups}), but "
+            "the ranks' tower calls differ in images (images per call, by rank: "
+            + "; ".join(f"rank {r}: {list(seq)}" for r, seq in calls.items())
+            + "), so those groups' all-gathers and reduce-scatters would not pair across ranks (a gloo abort, an "
+            "NCCL hang). Fix: give every rank's micro-batch the same number of images per call, or keep "
+            f"{where}'s modules out of FSDP2 groups of their own (in their parent's group)."
+        )
+
+    def _per_image_groups(self) -> list[str]:
+        """The paths, under the per-image module ("" for itself), of the FSDP2 groups it holds."""
+        from torch.distributed.fsdp import FSDPModule
+
+        inner = self._inner()
+        if inner is None or self._per_image is None:
+            return []
+        module = inner.get_submodule(self._per_image.module)
+        return [path for path, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+    def _per_image_sharded(self) -> bool:
+        return bool(self._per_image_groups())
 
     def _end(self) -> None:
         self._target, self._exchanged, self._zero = None, False, None
+        self._images = ()
         self._set_media([None] * len(self._media))
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -684,7 +742,7 @@ class _KnownFamily(MixedBatches):
         if self.mode == "always":
             self._always(own, own_media)
         else:
-            self._set_target(own, own_media, self._exchange(own, *own_media))
+            self._set_target(own, own_media, self._exchange(own, *own_media, *self._own_images(inputs)))
 
     def _post_forward(self, *_: Any) -> None:
         self._target = None
@@ -795,9 +853,16 @@ class _KnownFamily(MixedBatches):
             out = inner.get_submodule(self.family.projector)(features)
         return _zero_of(out)
 
-    def _dummy(self, inner: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-        """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none)."""
-        return self.family.dummy(inner.config, device, _dtype_of(inner.get_submodule(self.family.tower)))
+    def _dummy(self, inner: nn.Module, device: torch.device, call: int | None = None) -> dict[str, torch.Tensor]:
+        """The family's dummy keywords, in the dtype of the tower's first floating parameter (fp32 if none). Where
+        the row names per-image modules (:class:`~.vlm_families.PerImage`), the dummy standing for this forward's
+        tower call number ``call`` (from 0) packs as many images as that call of the longest call sequence (one
+        where no rank makes it, or outside a forward)."""
+        dtype = _dtype_of(inner.get_submodule(self.family.tower))
+        if self._per_image is None:
+            return self.family.dummy(inner.config, device, dtype)
+        images = self._images[call] if call is not None and call < len(self._images) else 1
+        return self.family.dummy(inner.config, device, dtype, images=images)  # type: ignore[call-arg]
 
     def _vision_top_up(self, device: torch.device) -> None:
         """The vision dummies this rank still owes (before the text model, or, where the forward runs its audio
@@ -807,8 +872,8 @@ class _KnownFamily(MixedBatches):
         inner = self._inner()
         assert inner is not None
         missing, self._target = self._target - self._calls, None  # the dummies' own tower calls are not counted
-        for _ in range(missing):
-            self._join(self._dummy_zero(inner, self._dummy(inner, device)))
+        for call in range(self._calls, self._calls + missing):
+            self._join(self._dummy_zero(inner, self._dummy(inner, device, call)))
             self.dummy_calls += 1
 
     def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -25,9 +25,11 @@ __all__ = [
     "MUSE_SPARK_AUDIO",
     "NEMOTRON_AUDIO",
     "NEMOTRON_VIDEO",
+    "PACKED_PER_IMAGE",
     "QWEN_OMNI_AUDIO",
     "AudioTower",
     "DummyInputs",
+    "PerImage",
     "VideoTower",
     "VisionFamily",
     "anyres_inputs",
@@ -48,6 +50,7 @@ __all__ = [
     "mel_inputs",
     "merge_size_inputs",
     "naflex_inputs",
+    "packed_images",
     "packed_inputs",
     "packed_patch_inputs",
     "padded_mel_inputs",
@@ -262,6 +265,22 @@ INKLING_AUDIO = AudioTower(inputs=("audio_input_ids",), dummy=dmel_token_inputs,
 
 
 @dataclass(frozen=True)
+class PerImage:
+    """Modules that a family's forward runs once per image of a tower call, outside the tower (MiniCPM-V's merger
+    loops over the call's ``target_sizes`` rows and runs ``merger.mlp[i]`` on each image: a stack that gives those
+    MLPs FSDP2 groups of their own, as NeMo Automodel gives every ``nn.ModuleList`` child one, all-gathers and
+    reduce-scatters them once per image, and FSDP2's backward reshards and gathers such a group again between two
+    calls). ``module``: the inner model's path of those modules; ``inputs``: the forward keywords the counts are read
+    from (beside the row's ``inputs``); ``count``: the images of each tower call from the forward's inputs, one per
+    entry of the row's ``inputs`` (0 where that call is not made). The ranks exchange these counts with the tower
+    calls, and a dummy call packs as many images as the call of another rank that it pairs with."""
+
+    module: str
+    inputs: tuple[str, ...]
+    count: Callable[[dict[str, Any]], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
 class VisionFamily:
     """One row: the inner model classes of a VLM family, its vision inputs, and how to feed its tower a dummy.
 
@@ -277,7 +296,8 @@ class VisionFamily:
     ``get_image_features`` (Llama4's ``multi_modal_projector``): the dummy's features pass through it too, else its
     parameters get a gradient on the image ranks only and the group holding them reduce-scatters less elsewhere.
     ``video``: the family's video path where it differs from its image path (:class:`VideoTower`); ``inputs``
-    then lists the image arguments only.
+    then lists the image arguments only. ``per_image``: modules the forward runs once per image of a tower call
+    (:class:`PerImage`: MiniCPM-V's merger MLPs); the dummy then packs as many images as the call it stands for.
     """
 
     name: str
@@ -290,6 +310,7 @@ class VisionFamily:
     projector: str = ""
     projected: str = "last_hidden_state"
     video: VideoTower | None = None
+    per_image: PerImage | None = None
 
 
 def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:
@@ -529,17 +550,39 @@ def masked_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) ->
     return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool, device=device)}
 
 
-def packed_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One zero image of m x m patches, NaViT-packed as ``(1, C, p, m * m * p)``, and its ``target_sizes`` (MiniCPM-V
-    4.6 / 4.7 / OCR: any patch grid, positions looked up per grid; the tower's window merger and then the merger
-    each fold 2 x 2 patches, so m = window kernel x merge kernel ** merger_times patches make one token)."""
+def packed_inputs(config: Any, device: torch.device, dtype: torch.dtype, images: int = 1) -> dict[str, torch.Tensor]:
+    """``images`` zero images of m x m patches each, NaViT-packed as ``(1, C, p, images * m * m * p)``, and their
+    ``target_sizes`` (MiniCPM-V 4.6 / 4.7 / OCR: any patch grid, positions looked up per grid; the tower's window
+    merger and then the merger each fold 2 x 2 patches, so m = window kernel x merge kernel ** merger_times patches
+    make one token). One image is the smallest input; more where the merger's per-image MLP calls must pair with
+    another rank's (:data:`PACKED_PER_IMAGE`)."""
     vision = config.vision_config
     window, merge = vision.window_kernel_size, config.merge_kernel_size
     times, patch = int(config.merger_times), int(vision.patch_size)
     height = int(window[0]) * int(merge[0]) ** times
     width = int(window[1]) * int(merge[1]) ** times
-    pixels = torch.zeros(1, _channels(vision), patch, height * width * patch, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "target_sizes": torch.tensor([[height, width]], dtype=torch.int32, device=device)}
+    pixels = torch.zeros(1, _channels(vision), patch, images * height * width * patch, dtype=dtype, device=device)
+    sizes = torch.tensor([[height, width]] * images, dtype=torch.int32, device=device)
+    return {"pixel_values": pixels, "target_sizes": sizes}
+
+
+def packed_images(inputs: dict[str, Any]) -> tuple[int, ...]:
+    """Images of a MiniCPM-V forward's two tower calls (``get_image_features``, then ``get_video_features``): the
+    rows of ``target_sizes``; frames x rows of ``target_sizes_videos`` (each frame is packed as an image)."""
+    images, videos = inputs.get("pixel_values"), inputs.get("pixel_values_videos")
+    sizes, video_sizes = inputs.get("target_sizes"), inputs.get("target_sizes_videos")
+    image_count = len(sizes) if images is not None and sizes is not None else 0
+    video_count = int(videos.shape[0]) * len(video_sizes) if videos is not None and video_sizes is not None else 0
+    return image_count, video_count
+
+
+#: MiniCPM-V's merger: ``merger.mlp[i]`` once per image of a call (:class:`PerImage`).
+PACKED_PER_IMAGE = PerImage("merger.mlp", ("target_sizes", "target_sizes_videos"), packed_images)
+
+
+def _packed(name: str, cls: str) -> VisionFamily:
+    """A MiniCPM-V row: NaViT-packed images, and the merger's MLPs run once per image (:data:`PACKED_PER_IMAGE`)."""
+    return VisionFamily(name, (cls,), dummy=packed_inputs, tower="vision_tower", per_image=PACKED_PER_IMAGE)
 
 
 def pooled_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -578,9 +621,9 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
         "granite_docling", ("GraniteDoclingModel",), ("pixel_values",), masked_tile_inputs, "vision_model", "text_model"
     ),
     _fixed("qianfan_ocr", "QianfanOCRModel"),  # InternVL's tiles
-    VisionFamily("minicpmv4_6", ("MiniCPMV4_6Model",), dummy=packed_inputs, tower="vision_tower"),
-    VisionFamily("minicpm_ocr", ("MiniCPMOcrModel",), dummy=packed_inputs, tower="vision_tower"),
-    VisionFamily("minicpmv4_7", ("MiniCPMV4_7Model",), dummy=packed_inputs, tower="vision_tower"),
+    _packed("minicpmv4_6", "MiniCPMV4_6Model"),
+    _packed("minicpm_ocr", "MiniCPMOcrModel"),
+    _packed("minicpmv4_7", "MiniCPMV4_7Model"),
     _fixed("aria", "AriaModel"),  # the pixel_mask is optional: no mask is an all-valid image
     VisionFamily("molmo2", ("Molmo2Model",), dummy=pooled_inputs, tower="vision_tower"),
     VisionFamily(

@@ -81,14 +81,14 @@ _NATIVE_LOADS_OTHER_WEIGHTS = dict(
 )  # fmt: skip
 
 #: transformers 5.18.0 (NeMo Automodel 0.7.0) lacks MistralLarge4, GraniteDocling, MiniCPM-OCR, Molmo2 and
-#: UnlimitedOcr (``ImportError: cannot import name '<Family>Config' from 'transformers'``). MiniCPM-V 4.6 is left out
-#: there: NeMo gives its merger's ``mlp.0`` (outside the vision tower) a group of its own, and with fsdp-compat the
-#: image|text run hangs until the 240 s timeout (unpatched: gloo's mismatch; image|image patched: 0.0). Not explained
-#: yet (the merger runs inside ``get_image_features``, which the dummy calls).
+#: UnlimitedOcr (``ImportError: cannot import name '<Family>Config' from 'transformers'``), so MiniCPM-V 4.6 stands
+#: for the packed kind there. NeMo gives its merger's ``mlp.0`` (outside the vision tower) a group of its own, and the
+#: merger runs it once per image: the image rank's two images all-gather and reduce-scatter that group twice in
+#: backward (FSDP2 reshards it after the first call's gradient), so the text rank's dummy packs as many images as the
+#: image rank's call (the row's ``per_image``, exchanged with the tower calls; one image hung in the first backward).
 _TRANSFORMERS_5_18 = dict(
-    sized_inputs="mistral3", masked_tile_inputs=None, pooled_inputs=None,
+    sized_inputs="mistral3", masked_tile_inputs=None, pooled_inputs=None, packed_inputs="lab.vlms:minicpmv4_6",
     sam_inputs="lab.vlms:deepseek_ocr2", flat_patch_inputs=None,  # Fuyu's image_patches, as in 5.10
-    packed_inputs=None,  # MiniCPM-V 4.6 through NeMo's groups: the aligned image|text run hangs (see below)
 )  # fmt: skip
 
 #: SkyRL 0.4.0's ``HFModelWrapper.forward`` hands the model ``pixel_values`` and ``image_grid_thw`` only (the

@@ -25,7 +25,7 @@ from typing import Any
 from fsdp_compat.testing.parity import Diff, init_group, reference_backward, runtime_counters
 from lab.observe import LogLines, fsdp_groups
 
-__all__ = ["LogLines", "fsdp_groups", "nemo_parallelize", "nemo_rank"]
+__all__ = ["LogLines", "first_image_only", "fsdp_groups", "nemo_parallelize", "nemo_rank"]
 
 PARALLELIZER = "nemo_automodel.components.distributed.parallelizer"
 
@@ -71,6 +71,8 @@ def nemo_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
     kinds = cfg["variants"]
     batches = [make_batch(cfg["model"], seed=100 + r, variant=kinds[r]) for r in range(cfg["world_size"])]
+    for r in cfg.get("one_image_ranks", ()):
+        batches[r] = first_image_only(batches[r], model.config.image_token_id)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference, control)]
     grads, params, control_grads = Diff(), Diff(), Diff()  # NaN-failing
     extra["losses"], extra["reference_losses"] = [], []
@@ -91,6 +93,26 @@ def nemo_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     extra["grad_diff"], extra["param_diff"], extra["control_grad_diff"] = grads.abs, params.abs, control_grads.abs
     extra["worst_grad_param"], extra["worst_param"] = grads.where, params.where
     extra.update(runtime_counters(model))
+
+
+def first_image_only(batch: dict[str, Any], image_token: int) -> dict[str, Any]:
+    """A NaViT-packed image batch (MiniCPM-V: ``pixel_values`` ``(1, C, p, L)``, one ``target_sizes`` row per image,
+    one image per text row) cut to its first image: the other rows' placeholders become text (id 16), their patches
+    and sizes are dropped."""
+    import torch
+
+    ids = batch["input_ids"].clone()
+    ids[1:][ids[1:] == image_token] = 16
+    height, width = (int(v) for v in batch["target_sizes"][0])
+    patch = batch["pixel_values"].shape[2]
+    return {
+        **batch,
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids.masked_fill(ids == image_token, -100),
+        "pixel_values": batch["pixel_values"][..., : height * width * patch].contiguous(),
+        "target_sizes": batch["target_sizes"][:1].clone(),
+    }
 
 
 def raw_read_model() -> Any:

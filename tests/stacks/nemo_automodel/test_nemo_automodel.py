@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 from lab.stack_families import STACKS
-from lab.support import rank_pythonpath, require_framework
+from lab.support import OFF, ON, rank_output, rank_pythonpath, require_framework
 from packaging.version import Version
 
 from fsdp_compat.policies import Auto
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
 
 PARALLELIZER = "nemo_automodel.components.distributed.parallelizer"
 
@@ -40,12 +41,9 @@ pytestmark = pytest.mark.timeout(400)
 NEMO = metadata.version("nemo-automodel")
 #: the modules that hold ``apply_fsdp2_sharding_recursively`` (oracle: grep of the 0.7.0 wheel)
 BINDINGS = [PARALLELIZER, "nemo_automodel._diffusers.parallelization"]
-MISMATCH = "Received data size doesn't match expected size"
 RAW_READ_CRASH = "aten.index.Tensor got mixed torch.Tensor and DTensor"
 ACTIVATED = f"fsdp-compat: patched nemo-automodel {NEMO} (policy auto, activated by pth-hook)"
 PASSED = "NeMo Automodel's 4 FSDP2 groups below the root pass fsdp-compat's safety check (kept as they are)"
-ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None, "FSDP_COMPAT_GUARD": None}
-OFF = {**ON, "FSDP_COMPAT": "off"}
 #: NeMo 0.7.0's selection for the zoo's VLMs (its rule, written here again): every ``nn.ModuleList`` child (the
 #: vision blocks, the text layers), then the untied input and output embeddings, then the root. The vision position
 #: table (read raw by its parent) is no ModuleList child and stays in the root: no wrap crash.
@@ -68,11 +66,6 @@ def run(body: str, env: dict[str, str | None], **cfg: Any) -> RunResult:
         timeout_s=240,
         env={"PYTHONPATH": rank_pythonpath(), **env},
     )
-
-
-def _output(result: RunResult) -> str:
-    """Every rank's traceback and output tail (a rank that gloo aborts reports only its output)."""
-    return "\n".join(f"--- rank {r.rank} ---\n{r.error}\n{r.extra.get('log_tail', '')}" for r in result.ranks)
 
 
 def _assert_exact(result: RunResult, patched: bool = True) -> None:
@@ -101,7 +94,7 @@ def test_rank_without_images_crashes_then_trains_exactly_through_nemo(model: str
     groups, rank 1 runs the vision tower on a zero dummy once per forward, and both ranks are exact (0.0)."""
     off = run("nemo_rank", OFF, model=model, variants=["image", "text"])
     assert not off.ok, "expected the collective mismatch, but it ran"
-    assert MISMATCH in _output(off), _output(off)[-4000:]
+    assert GLOO_MISMATCH in rank_output(off), rank_output(off)[-4000:]
     assert all(r.extra["patched"] is False for r in off.ranks if "patched" in r.extra)
     assert all(r.extra["log"] == [] for r in off.ranks if "log" in r.extra)
 
@@ -135,7 +128,7 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_throug
     ranks fall out of step); patched, rank 1 runs one dummy tower call per forward and both ranks are exact (0.0)."""
     off = run("nemo_rank", OFF, model=model, variants=["image", "text"])
     assert not off.ok, "expected the collective mismatch, but it ran"
-    assert UNPATCHED.get(model, MISMATCH) in _output(off), _output(off)[-4000:]
+    assert UNPATCHED.get(model, GLOO_MISMATCH) in rank_output(off), rank_output(off)[-4000:]
 
     on = run("nemo_rank", ON, model=model, variants=["image", "text"])
     on.raise_for_error()
@@ -149,6 +142,29 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_throug
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in on.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
     assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
+
+
+#: fsdp-compat's error where per-image modules (MiniCPM-V's merger MLPs) are FSDP2 groups and the ranks' images differ
+PER_IMAGE_ERROR = "runs model.merger.mlp once per image of each vision tower call"
+
+
+def test_per_image_groups_with_unequal_image_counts_fail_on_every_rank_instead_of_hanging() -> None:
+    """MiniCPM-V runs its merger's ``mlp.0`` once per image, and NeMo gives it an FSDP2 group of its own: rank 0 with
+    two images, rank 1 with one makes that group's backward collectives differ, which no dummy can pair. Patched,
+    every rank raises fsdp-compat's error at the first forward (naming the group and each rank's images per call);
+    with the same images on both ranks (two each), the same run trains exactly."""
+    model = "lab.vlms:minicpmv4_6"
+    on = run("nemo_rank", ON, model=model, variants=["image", "image"], one_image_ranks=[1])
+    assert not on.ok
+    for rank in on.ranks:
+        assert rank.error is not None and "FsdpCompatError" in rank.error and PER_IMAGE_ERROR in rank.error, rank.error
+        assert "(model.merger.mlp.0)" in rank.error and "rank 0: [2]; rank 1: [1]" in rank.error, rank.error
+    same = run("nemo_rank", ON, model=model, variants=["image", "image"])
+    same.raise_for_error()
+    for rank in same.ranks:
+        assert rank.extra["grad_diff"] == 0.0 and rank.extra["param_diff"] == 0.0, rank.extra["worst_grad_param"]
+        assert rank.extra["losses"] == rank.extra["reference_losses"]
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in same.ranks] == [0, 0]
 
 
 def test_image_ranks_train_exactly_with_and_without_fsdp_compat() -> None:
