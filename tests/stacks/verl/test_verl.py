@@ -290,15 +290,20 @@ def test_patch_rebinds_every_importer_and_unpatch_restores_exact_originals() -> 
     assert out["describe_after"] == []
 
 
-@pytest.mark.parametrize("fake", ["0.3.1", "0.10.1"])
-def test_unsupported_version_warns_and_patches_nothing(fake: str) -> None:
-    out = _python(
+def _fake_release(fake: str) -> dict[str, Any]:
+    """The adapter's table applied as if the installed verl were release ``fake``: whether it patched, which names of
+    ``verl.utils.fsdp_utils`` changed, the warnings and fsdp-compat's log lines."""
+    return _python(
         f"""
-        import json, warnings
+        import json, logging, warnings
         from packaging.version import Version
         import verl.utils.fsdp_utils as utils
         from fsdp_compat.activation import Adapter
         from fsdp_compat.adapters.verl import RELEASES
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logging.getLogger("fsdp_compat").addHandler(handler)
         before = dict(vars(utils))
         class Fake(Adapter):
             def version_of(self, distribution):
@@ -307,12 +312,34 @@ def test_unsupported_version_warns_and_patches_nothing(fake: str) -> None:
             warnings.simplefilter("always")
             ok = Fake("verl", RELEASES).patch(activated_by="import")
         changed = [k for k, v in vars(utils).items() if before.get(k) is not v]
-        print(json.dumps({{"ok": ok, "changed": changed, "warnings": [str(w.message) for w in caught]}}))
+        print(json.dumps({{"ok": ok, "changed": changed, "warnings": [str(w.message) for w in caught], "log": lines}}))
         """,
         env={"FSDP_COMPAT": "off"},
     )
+
+
+def test_an_older_version_warns_and_patches_nothing() -> None:
+    out = _fake_release("0.3.1")
     assert out["ok"] is False and out["changed"] == [], out
-    assert any(fake in w and ">=0.4.0" in w for w in out["warnings"]), out
+    assert any("0.3.1 is not supported" in w and ">=0.4.0" in w for w in out["warnings"]), out
+
+
+def test_a_newer_version_is_judged_by_the_recorded_fingerprint() -> None:
+    """A release newer than the range (0.10.1 here) over the installed code: patched, with one INFO line and no
+    warning, where that code is what fsdp-compat recorded for the newest tested release (0.9.1); else left alone
+    with one warning naming what changed (fsdp_compat.fingerprints)."""
+    out = _fake_release("0.10.1")
+    if Version("0.9.1") == VERL:
+        assert out["ok"] is True and out["changed"] == ["_select_fsdp2_wrap_targets"], out
+        assert out["warnings"] == [], out
+        assert any("0.10.1 is newer than the tested range" in line and "unchanged from 0.9.1" in line
+                   for line in out["log"]), out  # fmt: skip
+    elif out["ok"]:  # this release's code equals 0.9.1's in everything the adapter replaces
+        assert out["changed"] == ["_select_fsdp2_wrap_targets"] and out["warnings"] == [], out
+        assert any("unchanged from 0.9.1" in line for line in out["log"]), out
+    else:
+        assert out["changed"] == [], out
+        assert any("may have changed since 0.9.1" in w and "nothing was patched" in w for w in out["warnings"]), out
 
 
 @_needs(">=0.7.1", "the _select_fsdp2_wrap_targets selector")
