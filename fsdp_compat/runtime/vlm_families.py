@@ -692,7 +692,11 @@ def strided_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dic
 
 
 OTHER_FAMILIES: tuple[VisionFamily, ...] = (
-    VisionFamily("fuyu", ("FuyuModel",), ("pixel_values",), flat_patch_inputs, "vision_embed_tokens", "language_model"),
+    # transformers <= 5.18 names Fuyu's patches image_patches, 5.24 pixel_values: each takes one of them
+    VisionFamily(
+        "fuyu", ("FuyuModel",), ("pixel_values", "image_patches"), flat_patch_inputs, "vision_embed_tokens",
+        "language_model",
+    ),
     VisionFamily("gemma4-unified", ("Gemma4UnifiedModel",), dummy=position_patch_inputs, tower="embed_vision"),
     VisionFamily("emu3", ("Emu3Model",), ("pixel_values",), vq_inputs, "vqmodel.encoder", "text_model"),
     VisionFamily("inkling2", ("Inkling2Model",), ("pixel_values",), token_tile_inputs, "vision_tower"),

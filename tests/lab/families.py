@@ -16,18 +16,52 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "MEASURED_FACTOR",
     "STATUSES",
     "DiscoveredVlm",
+    "assert_held",
     "counts_sentence",
     "discover_vlms",
     "family_note",
     "family_status",
+    "held_param_bound",
     "parity_of",
     "row_of",
     "table_markdown",
     "write_doc",
     "zoo_model",
 ]
+
+#: How far an aligned image|text run may be from one process, as a multiple of the family's all-image run's distance
+#: (measured in the same test). Not 1: the two runs train on different micro-batches on rank 1, so FSDP2's reordered
+#: sums round differently and AdamW's first step (about lr * g / (|g| + eps)) amplifies near-zero gradients
+#: differently (Florence-2's parameters: 1.3x). A dummy that adds error of its own (a gradient on one side only,
+#: a wrong zero, a NaN) is inf, NaN or orders of magnitude off, not a factor of a few.
+MEASURED_FACTOR = 4.0
+
+
+def held_param_bound(all_image_param: float, all_image_grad: float, steps: int, lr: float = 1e-3) -> float:
+    """How far a held run's parameters may be from one process after ``steps`` AdamW steps (lr ``lr``, eps 1e-8):
+    :data:`MEASURED_FACTOR` times the all-image run's parameter distance, or times what AdamW can make of its
+    gradient distance, whichever is larger. AdamW moves an element by ``lr * g / (|g| + eps)``, which changes by up to
+    ``lr * delta / eps`` when ``g`` changes by ``delta``: a gradient near zero, reordered by FSDP2 as in the all-image
+    run, moves its element by that much whichever run happens to hold it (DeepSeek-VL-Hybrid's SAM patch embed:
+    2.9e-11 apart in gradients in both runs, 1.2e-10 and 3.7e-9 in parameters)."""
+    return MEASURED_FACTOR * max(all_image_param, steps * lr * all_image_grad / 1e-8)
+
+
+def assert_held(name: str, all_image: tuple[float, float], aligned: tuple[float, float], *, steps: int = 2) -> None:
+    """A stack's aligned image|text run of a family FSDP2 alone does not train at 0.0, held to the same stack's
+    all-image run: ``(gradient, parameter)`` distances from one process, each finite (a NaN fails); the gradients
+    within :data:`MEASURED_FACTOR` of the all-image run's, the parameters within :func:`held_param_bound`."""
+    import math
+
+    (grad_bound, param_bound), (grad, param) = all_image, aligned
+    print(f"{name}: all-image Δgrad {grad_bound:.3g} Δparam {param_bound:.3g}; image|text {grad:.3g} {param:.3g}")
+    assert all(math.isfinite(v) for v in (*all_image, *aligned)), (name, all_image, aligned)
+    assert grad <= MEASURED_FACTOR * grad_bound, (name, "gradients", all_image, aligned)
+    assert param <= held_param_bound(param_bound, grad_bound, steps), (name, "parameters", all_image, aligned)
+
 
 TOWER_ATTRS = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder", "image_tower", "vision")
 TEXT_ATTRS = ("language_model", "text_model")

@@ -27,6 +27,7 @@ __all__ = [
     "GLM4V_USER_PLAN",
     "TINY",
     "build_tiny",
+    "load_differences",
     "model_class",
     "run_native",
     "save_tiny",
@@ -128,10 +129,14 @@ def build_tiny(name: str, *, seed: int = 0) -> Any:
     return model.float()
 
 
-def save_tiny(name: str, directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
-    """``save_pretrained`` a tiny model into ``directory/name`` and return that path."""
+def save_tiny(
+    name: str, directory: str | os.PathLike[str], *, seed: int = 0, original_format: bool = True
+) -> Path:
+    """``save_pretrained`` a tiny model into ``directory/name`` and return that path: in the checkpoint's original
+    layout (transformers' default, reverted through the family's conversion mapping), or with
+    ``original_format=False`` in transformers' own layout, which loads with no conversion."""
     path = Path(directory) / name.replace(":", "-")
-    build_tiny(name, seed=seed).save_pretrained(path)
+    build_tiny(name, seed=seed).save_pretrained(path, save_original_format=original_format)
     return path
 
 
@@ -247,6 +252,35 @@ def train_native(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankR
     extra["reference_losses"] = result.pop("reference_losses")
     extra["mixed_batches"] = runtime_counters(model)["mixed_batches"]
     return RankResult(rank=rank, ok=True, extra=extra, **result)
+
+
+def load_differences(name: str, model_dir: str | os.PathLike[str], *, world_size: int = 2, env=None) -> RunResult:
+    """Load ``model_dir`` once sharded (``DistributedConfig(fsdp_size=world_size)``, the built-in plan) and once
+    plainly on each of ``world_size`` gloo ranks; each rank's ``extra["differences"]`` maps every parameter whose
+    gathered full tensor differs from the plain load's to the largest absolute difference."""
+    cfg = {"name": name, "model_dir": str(model_dir)}
+    return run_ranks(f"{__name__}:compare_loads", cfg, world_size=world_size, timeout_s=120.0, env=env)
+
+
+def compare_loads(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
+    import torch
+    import transformers
+    from torch.distributed.tensor import DTensor
+
+    init_gloo(cfg, rank)
+    cls = model_class(cfg["name"])
+    load = {"dtype": torch.float32, "attn_implementation": "eager"}
+    sharded = cls.from_pretrained(cfg["model_dir"], distributed_config=transformers.DistributedConfig(
+        fsdp_size=cfg["world_size"]), **load)  # fmt: skip
+    plain = dict(cls.from_pretrained(cfg["model_dir"], **load).named_parameters())
+    differences = {}
+    for path, param in sharded.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        gap = (full.detach() - plain[path].detach()).abs().max().item()
+        if gap != 0.0:
+            differences[path] = gap
+    extra["differences"] = differences
+    return RankResult(rank=rank, ok=True, extra=extra)
 
 
 def describe(run: RunResult) -> str:

@@ -96,9 +96,15 @@ def _fuyu() -> nn.Module:
 
 
 def _fuyu_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
-    """Four flattened 30 x 30 patches per image, one image per row: ``(n, 4, P * P * C)``."""
+    """Four flattened 30 x 30 patches per image, one image per row: ``(n, 4, P * P * C)``, under the name the
+    installed transformers' forward takes (``image_patches`` up to 5.18 at least, ``pixel_values`` in 5.24)."""
+    import inspect
+
+    from transformers.models.fuyu import modeling_fuyu
+
     dim = int(config.patch_size) ** 2 * int(config.num_channels)
-    return {"pixel_values": torch.randn(n, 4, dim, generator=g)}
+    takes = inspect.signature(modeling_fuyu.FuyuModel.forward).parameters
+    return {"pixel_values" if "pixel_values" in takes else "image_patches": torch.randn(n, 4, dim, generator=g)}
 
 
 # --------------------------------------------------------------------------------------------------- chameleon

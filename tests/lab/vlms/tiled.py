@@ -536,10 +536,24 @@ def pooled_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Te
     ``image_grids`` (rows x columns of pooled tokens; no low-resolution part) that count them."""
     vision = config.vision_config
     side, dim = 4, int(vision.num_channels) * int(vision.patch_size) ** 2
-    blocks = [[i * side * side + (2 * r + dr) * side + 2 * c + dc for dr in (0, 1) for dc in (0, 1)]
+    local = _molmo2_counts_crops()  # transformers >= 5.25: indices within each image, shifted by image_num_crops
+    blocks = [[(0 if local else i * side * side) + (2 * r + dr) * side + 2 * c + dc for dr in (0, 1) for dc in (0, 1)]
               for i in range(n) for r in range(side // 2) for c in range(side // 2)]  # fmt: skip
+    crops = {"image_num_crops": torch.ones(n, dtype=torch.long)} if local else {}
+    grids = torch.tensor([[2, 2, 0, 0]] * n)
     return {"pixel_values": torch.randn(n, side * side, dim, generator=g),
-            "image_token_pooling": torch.tensor(blocks), "image_grids": torch.tensor([[2, 2, 0, 0]] * n)}  # fmt: skip
+            "image_token_pooling": torch.tensor(blocks), "image_grids": grids} | crops  # fmt: skip
+
+
+def _molmo2_counts_crops() -> bool:
+    """Whether Molmo2's ``get_image_features`` takes ``image_num_crops`` (transformers 5.25: each image's pooling
+    indices count from that image's first patch, and more than one image needs the crop counts; 5.24 indexes the
+    batch's patches as one list and ignores it)."""
+    import inspect
+
+    from transformers.models.molmo2 import modeling_molmo2
+
+    return "image_num_crops" in inspect.signature(modeling_molmo2.Molmo2Model.get_image_features).parameters
 
 
 def _molmo2() -> nn.Module:

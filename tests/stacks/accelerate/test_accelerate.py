@@ -28,7 +28,8 @@ from importlib import metadata
 from typing import Any
 
 import pytest
-from lab.stack_families import STACKS
+from lab.families import assert_held
+from lab.stack_families import HELD, STACKS
 from lab.support import OFF, ON, rank_output, rank_pythonpath, require_framework
 from packaging.version import Version
 
@@ -107,9 +108,11 @@ def test_rank_without_images_crashes_then_trains_exactly_through_accelerate(mode
     assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
 
 
-#: One family of every other tower kind that transformers 5.10.4 has (lab.stack_families), the patch grid being
-#: GLM4V's and Qwen2.5-VL's above.
-KIND_FAMILIES = STACKS["accelerate"]
+#: One family of every other tower kind that the installed transformers has (lab.stack_families: 5.10.4 in the
+#: accelerate envs, 5.25 in ``accelerate116-families``), the patch grid being GLM4V's and Qwen2.5-VL's above.
+NEWER_TRANSFORMERS = Version(metadata.version("transformers")) >= Version("5.25")
+STACK = "accelerate-transformers-5.25" if NEWER_TRANSFORMERS else "accelerate"
+KIND_FAMILIES = STACKS[STACK]
 #: Where the unpatched run crashes before any mismatch: Gemma4's per-layer-input read of a sharded weight (as in
 #: transformers' own Gemma4 plan, tests/stacks/transformers).
 UNPATCHED_CRASH = {"lab.vlms:gemma4": "aten.where.self got mixed torch.Tensor and DTensor"}
@@ -130,6 +133,28 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_throug
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in on.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
     assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
+
+
+#: The kinds FSDP2 alone does not train at 0.0 (lab.stack_families.HELD), on the installed transformers.
+HELD_FAMILIES = HELD.get(STACK, {})
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, id=kind) for kind, m in HELD_FAMILIES.items()])
+def test_inexact_tower_kind_crashes_then_stays_within_fsdp2s_own_distance_through_accelerate(model: str) -> None:
+    """For a kind whose all-image FSDP2 run is not exact: unpatched, image|text aborts; patched, the all-image run
+    (both ranks images: no dummy, FSDP2's own arithmetic) is measured first, and the image|text run, with one dummy
+    tower call per forward on rank 1, is held to the all-image run (:func:`~lab.families.assert_held`)."""
+    off = run(model, ["image", "text"], OFF)
+    assert not off.ok, "expected the collective mismatch, but it ran"
+    assert GLOO_MISMATCH in rank_output(off), rank_output(off)[-4000:]
+
+    alone, on = run(model, ["image", "image"], ON), run(model, ["image", "text"], ON)
+    for result, dummies in ((alone, [0, 0]), (on, [0, 2])):
+        result.raise_for_error()
+        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == dummies
+        assert all(r.extra["patched"] == [True, True, True] for r in result.ranks)
+    diffs = [tuple(max(r.extra[w] for r in res.ranks) for w in ("grad_diff", "param_diff")) for res in (alone, on)]
+    assert_held(model, *diffs)
 
 
 def test_text_model_keeps_accelerates_groups() -> None:

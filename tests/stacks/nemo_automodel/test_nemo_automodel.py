@@ -23,7 +23,8 @@ from importlib import metadata
 from typing import Any
 
 import pytest
-from lab.stack_families import STACKS
+from lab.families import assert_held
+from lab.stack_families import HELD, STACKS
 from lab.support import OFF, ON, rank_output, rank_pythonpath, require_framework
 from packaging.version import Version
 
@@ -142,6 +143,25 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly_throug
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in on.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in on.ranks] == [2, 2]
     assert on.ranks[0].extra["losses"] != on.ranks[1].extra["losses"]  # each rank its own batch
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, id=kind) for kind, m in HELD["nemo_automodel"].items()])
+def test_inexact_tower_kind_crashes_then_stays_within_fsdp2s_own_distance_through_nemo(model: str) -> None:
+    """For a kind whose all-image FSDP2 run is not exact (lab.stack_families.HELD): unpatched, image|text aborts;
+    patched, the all-image run (no dummy: FSDP2's own arithmetic) is measured first, and the image|text run, one dummy
+    tower call per forward on rank 1, is held to it (:func:`~lab.families.assert_held`)."""
+    off = run("nemo_rank", OFF, model=model, variants=["image", "text"])
+    assert not off.ok, "expected the collective mismatch, but it ran"
+    assert GLOO_MISMATCH in rank_output(off), rank_output(off)[-4000:]
+
+    alone = run("nemo_rank", ON, model=model, variants=["image", "image"])
+    on = run("nemo_rank", ON, model=model, variants=["image", "text"])
+    for result, dummies in ((alone, [0, 0]), (on, [0, 2])):
+        result.raise_for_error()
+        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == dummies
+        assert all(r.extra["patched"] is True for r in result.ranks)
+    diffs = [tuple(max(r.extra[w] for r in res.ranks) for w in ("grad_diff", "param_diff")) for res in (alone, on)]
+    assert_held(model, *diffs)
 
 
 #: fsdp-compat's error where per-image modules (MiniCPM-V's merger MLPs) are FSDP2 groups and the ranks' images differ

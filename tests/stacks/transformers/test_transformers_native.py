@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lab.stack_families import STACKS, tower_layers, tower_plan
+from lab.families import assert_held
+from lab.stack_families import HELD, NATIVE_OWN_LAYOUT, STACKS, tower_layers, tower_plan
 from lab.support import BREADTH, require_framework
 
 from fsdp_compat.policies import Auto, Legacy
@@ -36,6 +37,7 @@ from lab.transformers_smoke import (  # noqa: E402
     GLM4V_USER_PLAN,
     build_tiny,
     describe,
+    load_differences,
     run_native,
     save_tiny,
 )
@@ -150,9 +152,7 @@ def _unaligned_aborts_then_exact(name: str, path: Any, plan: dict[str, str], var
     return run
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(name, id=kind, marks=BREADTH) for kind, name in KIND_FAMILIES.items()]
-)
+@pytest.mark.parametrize("name", [pytest.param(name, id=kind, marks=BREADTH) for kind, name in KIND_FAMILIES.items()])
 def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(name, tmp_path):
     """As the GLM4V case, for one family of each tower kind: the user's plan gives each block of the family's vision
     tower (the module its row names) one group, and each text layer one. With the alignment off rank 0's vision-block
@@ -162,12 +162,53 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(name, 
     plan = tower_plan(model)
     layers = tower_layers(model)
     first = layers if plan.get(layers) else f"{layers}.0"
-    path = save_tiny(name, tmp_path)
+    path = save_tiny(name, tmp_path, original_format=name not in NATIVE_OWN_LAYOUT)
     variants = ["image", "text"]
     run = _unaligned_aborts_then_exact(name, path, plan, variants)
     assert [first] in run.ranks[0].extra["fsdp_groups"], run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, id=kind, marks=BREADTH) for kind, name in HELD["transformers"].items()]
+)
+def test_inexact_tower_kind_aborts_then_stays_within_fsdp2s_own_distance(name, tmp_path):
+    """For a kind whose all-image FSDP2 run is not exact (lab.stack_families.HELD): with the alignment off the
+    image|text ranks abort; with it, the all-image run (no dummy: FSDP2's own arithmetic) is measured first, and the
+    image|text run, one dummy tower call per forward on rank 1, is held to the all-image run
+    (:func:`~lab.families.assert_held`)."""
+    plan = tower_plan(build_tiny(name))
+    path = save_tiny(name, tmp_path, original_format=name not in NATIVE_OWN_LAYOUT)
+    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=["image", "text"], timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
+    alone = run_native(name, path, fsdp_plan=plan, env=ON, variants=["image", "image"])
+    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=["image", "text"])
+    for result, dummies in ((alone, [0, 0]), (run, [0, 2])):
+        result.raise_for_error()
+        assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == dummies
+    diffs = [(result.max_abs_grad_diff, result.max_abs_param_diff) for result in (alone, run)]
+    assert_held(name, *diffs)
+
+
+@BREADTH
+def test_original_layout_loads_other_vision_weights_upstream(tmp_path):
+    """Why :data:`~lab.stack_families.NATIVE_OWN_LAYOUT` families run from transformers' own layout
+    (huggingface/transformers#48519): fsdp-compat off, Kimi K2.5's checkpoint in its original layout loads other
+    vision q/k/v weights sharded than plainly, the same checkpoint in transformers' layout loads equal. When the first
+    assertion fails transformers has fixed its load: run those families from the original layout again."""
+    name = "lab.vlms:kimi_k25"
+    original = load_differences(name, save_tiny(name, tmp_path / "original"), env=OFF)
+    own = load_differences(name, save_tiny(name, tmp_path / "own", original_format=False), env=OFF)
+    original.raise_for_error()
+    own.raise_for_error()
+    for rank in original.ranks:
+        differing = rank.extra["differences"]
+        assert {p.rpartition(".")[0].rpartition(".")[2] for p in differing} == {"q_proj", "k_proj", "v_proj"}, differing
+        assert all(p.startswith("model.vision_tower.") for p in differing) and min(differing.values()) > 0.01, differing
+    assert [rank.extra["differences"] for rank in own.ranks] == [{}, {}]
 
 
 @BREADTH
