@@ -21,6 +21,8 @@ from torch import nn
 from fsdp_compat.analysis.evidence import Analysis, RawRead
 from fsdp_compat.analysis.facts import forward_function, function_facts, runs_own_code, source_function, torch_code
 from fsdp_compat.analysis.names import (
+    CALLS_FIRST_ARGUMENT,
+    CHECKPOINT_KEYWORDS,
     DICT_VIEWS,
     HOOK_REGISTRATION,
     HOOKED_CALLS,
@@ -519,6 +521,8 @@ class _Analyzer:
         target = res.obj
         if target is getattr or target is setattr or target is vars:
             return None
+        if _qualified(target) in CALLS_FIRST_ARGUMENT:
+            return self._call_first_argument(positional, keywords, site, calls)
         if isinstance(target, types.BuiltinFunctionType) or ((
             isinstance(target, type) or torch_code(target)
         ) and not isinstance(target, (types.MethodType, functools.partial))):
@@ -530,6 +534,28 @@ class _Analyzer:
         for held in self._held(target):  # a callable object: whatever it holds escapes
             self._escape(held, site, "held by a callable the analysis does not follow")
         return None
+
+    def _call_first_argument(self, positional: list[tuple[Any, ...]], keywords: dict[str, tuple[Any, ...]],
+                             site: _Site, calls: set[str]) -> list[Any] | None:
+        """``torch.utils.checkpoint.checkpoint(function, *args, **kwargs)``: followed as ``function(*args,
+        **kwargs)`` (a module called through its hooks, a method of the model read as any call of it); not followed
+        where the function is anything else (a closure, a lambda: what it reaches is unknown here)."""
+        if not positional or not positional[0]:
+            return None
+        rest = {name: objs for name, objs in keywords.items() if name not in CHECKPOINT_KEYWORDS}
+        results: list[Any] = []
+        for function in positional[0]:
+            if isinstance(function, _Bound):
+                res = function.res
+            elif isinstance(function, nn.Module):
+                res = Resolved("module", function)
+            else:
+                return None
+            out = self._call_target(res, positional[1:], rest, site, calls)
+            if out is None:
+                return None
+            results.extend(out)
+        return results
 
     def _nn_module_method(self, module: nn.Module, name: str, positional: list[tuple[Any, ...]],
                           keywords: dict[str, tuple[Any, ...]], site: _Site) -> list[Any]:
@@ -683,6 +709,11 @@ class _Outcome(list):  # type: ignore[type-arg]
     """What a followed function returned (objects of the model), and the modules it called on every path."""
 
     called: frozenset[str] = frozenset()
+
+
+def _qualified(func: Any) -> str:
+    """``module.qualname`` of a function (empty for anything without both)."""
+    return f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', '')}"
 
 
 @dataclass(frozen=True)

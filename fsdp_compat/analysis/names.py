@@ -31,6 +31,12 @@ ITER_WRAPPERS = frozenset({"enumerate", "zip", "reversed", "list", "tuple", "ite
 RUNTIME_HOOK_MARK = "__fsdp_compat_guard__"
 # Calling a module through these runs its hooks (FSDP2 unshards there); calling ``.forward()`` directly does not.
 HOOKED_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+# torch functions that call their first argument with the rest (``checkpoint(function, *args, **kwargs)`` runs
+# ``function(*args, **kwargs)`` in forward and again in backward): followed as that call, less their own keywords.
+CALLS_FIRST_ARGUMENT = frozenset({"torch.utils.checkpoint.checkpoint"})
+CHECKPOINT_KEYWORDS = frozenset(
+    {"use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state", "early_stop"}
+)
 # Attributes that expose a module's registry: touching them reaches everything below it.
 REFLECTION_ATTRS = frozenset({"__dict__", "_modules", "_parameters", "_buffers"})
 # transformers' ``module.dtype`` / ``.device`` look at the first parameter's dtype or device only.

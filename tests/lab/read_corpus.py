@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from fsdp_compat.testing.parity import Diff, loss_scale, twin_step, worse
@@ -375,6 +376,25 @@ class LateBindingClosure(Base):
 
 
 # --- handing the module or its weight to other code ----------------------------------------------------------
+
+
+class CheckpointedBlock(Base):
+    """The layer through ``torch.utils.checkpoint`` (timm's Eva with gradient checkpointing on): a call through its
+    hooks, so the layer keeps its group; the table is read raw after it."""
+
+    def forward(self, ids):
+        h = torch.utils.checkpoint.checkpoint(self.block, self.emb(ids), use_reentrant=False)
+        return (h + self.emb.weight.sum()).sum()
+
+
+class CheckpointedMethod(Base):
+    """A method of the model through ``torch.utils.checkpoint``: the read inside it is found as in a direct call."""
+
+    def mix(self, h):
+        return self.block(h) * self.emb.weight.mean()
+
+    def forward(self, ids):
+        return torch.utils.checkpoint.checkpoint(self.mix, self.emb(ids), use_reentrant=False).sum()
 
 
 class User(nn.Module):

@@ -35,10 +35,10 @@ NO_RESHARD = frozenset({"AfterOwnForward"})
 # The module each pattern reads raw (the embedding ``emb`` unless named here).
 READ_TARGET = {"ModuleDictKey": "tables.pos", "LateBindingClosure": "tail"}
 # The README's figure: the exact number of patterns (a pattern added or lost must show up here and there).
-PATTERN_COUNT = 67
+PATTERN_COUNT = 69
 WORLD_SIZE = 2
 
-# breadth: 67 patterns of the mechanism test_guard.py proves case by case (the envs that rerun tests/runtime on each
+# breadth: 69 patterns of the mechanism test_guard.py proves case by case (the envs that rerun tests/runtime on each
 # torch a framework pins deselect it; core runs it on 2.13, the guard-torch label on 2.10, 2.14.1 and 2.15)
 pytestmark = [pytest.mark.timeout(600), pytest.mark.breadth]
 
