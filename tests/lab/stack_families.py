@@ -105,6 +105,16 @@ _TRANSFORMERS_5_18 = dict(
 _SKYRL_KINDS = ("fixed_inputs", "tile_inputs", "sam_inputs", "patch_grid_inputs", "conv_grid_inputs",
                 "grid_patches_inputs")  # fmt: skip
 
+#: verl 0.9.1's engine (transformers 5.10.4, as accelerate's env) joins each row's ``multi_modal_inputs`` along dim 0
+#: (``extract_multi_modal_inputs``, verl/utils/model.py): MiniCPM-V 4.6's processor packs every image of a call
+#: into one ``(1, C, p, columns)`` strip, two rows' strips become ``(2, C, p, 64p)`` and the tower's position
+#: embeddings no longer match ("The size of tensor a (64) must match the size of tensor b (128)",
+#: modeling_minicpmv4_6.py, with or without FSDP): the packed kind cannot go through verl's engine. Nor can Fuyu:
+#: verl's ``apply_monkey_patch`` reads ``text_config.num_key_value_heads``
+#: (verl/models/transformers/monkey_patch.py:340) and its Persimmon text config has none (``AttributeError``, with
+#: or without fsdp-compat, before any step).
+_VERL_KINDS_LEFT_OUT = ("packed_inputs", "flat_patch_inputs")
+
 #: stack -> the tiny model each kind runs there (``grid_inputs``, the patch grid, is every stack's GLM4V/Qwen2.5-VL).
 STACKS: dict[str, dict[str, str]] = {
     "transformers": _picks(**_NATIVE_LOADS_OTHER_WEIGHTS, hybrid_inputs=None),  # 2.9e-11: held there (HELD)
@@ -114,6 +124,7 @@ STACKS: dict[str, dict[str, str]] = {
     "accelerate-transformers-5.25": _picks(hybrid_inputs=None),
     "nemo_automodel": _picks(**_TRANSFORMERS_5_18, hybrid_inputs=None),  # 2.9e-11 there too (SAM's patch embed): HELD
     "skyrl": {k: m for k, m in _picks(sam_inputs="lab.vlms:deepseek_ocr2").items() if k in _SKYRL_KINDS},
+    "verl": {k: m for k, m in _picks(**_TRANSFORMERS_5_10).items() if k not in _VERL_KINDS_LEFT_OUT},
 }
 
 

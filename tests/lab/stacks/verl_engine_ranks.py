@@ -112,10 +112,6 @@ def collate(batch: dict[str, Any], positions: Any, world_size: int, remove_paddi
     """Right-padded rows (images optional per row) as verl's SFT dataset yields them, through verl's collator.
     ``remove_padding``: the ``use_remove_padding`` meta the trainer copies from the model config (verl's engine
     then packs the micro-batch's rows into one (1, total tokens) row with (4, 1, total) position ids)."""
-    import torch
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
-
     samples, start, image = [], 0, 0
     for i in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][i].sum())
@@ -133,6 +129,16 @@ def collate(batch: dict[str, Any], positions: Any, world_size: int, remove_paddi
                 "multi_modal_inputs": multi_modal,
             }
         )
+    return sft_tensordict(samples, world_size, remove_padding)
+
+
+def sft_tensordict(samples: list[dict[str, Any]], world_size: int, remove_padding: bool = False) -> Any:
+    """verl SFT samples (``input_ids``, ``position_ids``, ``loss_mask``, ``multi_modal_inputs``) through verl's own
+    ``SFTTensorCollator`` (no padding: nested tensors), with the SFT trainer's meta info."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode, SFTTensorCollator
+
     data = SFTTensorCollator(DatasetPadMode.NO_PADDING)(samples)
     meta = {
         "use_remove_padding": remove_padding,
@@ -437,6 +443,35 @@ def _seed(step: int, rank: int) -> int:
     return 10 * step + rank
 
 
+def recording_worker(cfg: dict[str, Any], case: dict[str, Any]) -> tuple[Any, list[float], list[dict[str, Any]]]:
+    """verl's ``TrainingWorker`` for ``case``, reset (its engine built), with two records that fill as it trains:
+    the rank's own loss of each step (verl's loss function wrapped to be read) and the full gradients verl's
+    ``optimizer_step`` receives (read there: verl sets every ``.grad`` to None when ``train_batch`` leaves
+    ``engine.train_mode``, ``EngineTrainModeCtx.__exit__`` -> ``optimizer_zero_grad``, ``zero_grad_on_exit=True`` in
+    verl 0.9.1)."""
+    worker = _worker(cfg, case)
+    losses: list[float] = []
+    grads: list[dict[str, Any]] = []
+    verl_loss = worker.loss_fn
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        loss, metrics = verl_loss(*args, **kwargs)
+        losses.append(float(loss.detach()))
+        return loss, metrics
+
+    worker.set_loss_fn(recorded)
+    worker.reset()
+    engine = worker.engine
+    step_optimizer = engine.optimizer_step
+
+    def optimizer_step() -> Any:
+        grads.append({n: None if p.grad is None else _full(p.grad) for n, p in engine.module.named_parameters()})
+        return step_optimizer()
+
+    engine.optimizer_step = optimizer_step
+    return worker, losses, grads
+
+
 def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[str, Any]) -> dict[str, Any]:
     """verl's engine trains ``steps`` steps, rank r on its own micro-batch (kind ``case["kinds"][r]``, seed per step
     and rank); then rank 0 trains one unsharded process on all ranks' micro-batches the same way and compares.
@@ -455,17 +490,7 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     world = dist.get_world_size()
     kinds = case["kinds"]
     remove_padding = bool(case.get("remove_padding"))
-    worker = _worker(cfg, case)
-    losses: list[float] = []
-    verl_loss = worker.loss_fn
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        loss, metrics = verl_loss(*args, **kwargs)
-        losses.append(float(loss.detach()))
-        return loss, metrics
-
-    worker.set_loss_fn(recorded)
-    worker.reset()
+    worker, losses, grads = recording_worker(cfg, case)
     engine = worker.engine
     out["groups"] = fsdp_groups(engine.module)
     inner = getattr(engine.module, "_fsdp_wrapped_module", engine.module)
@@ -483,16 +508,7 @@ def run_parity(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[s
     engine.module.register_forward_pre_hook(
         lambda _m, _a, kw: model_inputs.append(_shapes(kw)) and None, with_kwargs=True
     )
-    out["steps"], grads, params = [], [], []
-    step_optimizer = engine.optimizer_step
-
-    # the gradients verl steps with: verl sets every .grad to None when train_batch leaves engine.train_mode
-    # (EngineTrainModeCtx.__exit__ -> optimizer_zero_grad, zero_grad_on_exit=True in verl 0.9.1)
-    def optimizer_step() -> Any:
-        grads.append({n: None if p.grad is None else _full(p.grad) for n, p in engine.module.named_parameters()})
-        return step_optimizer()
-
-    engine.optimizer_step = optimizer_step
+    out["steps"], params = [], []
     for step in range(case.get("steps", 2)):
         lr, first = engine.optimizer.param_groups[0]["lr"], len(calls)
         batch = p14_sft_batch(kinds[rank % len(kinds)], _seed(step, rank), world, remove_padding)

@@ -424,18 +424,8 @@ def run_ulysses(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[
     sp = case["engine"]["ulysses_sequence_parallel_size"]
     dp, dp_rank = world // sp, rank // sp
     kinds = case["kinds"]
-    worker = base._worker(cfg, case)
-    losses: list[float] = []
-    verl_loss = worker.loss_fn
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        loss, metrics = verl_loss(*args, **kwargs)
-        losses.append(float(loss.detach()))
-        return loss, metrics
-
-    worker.set_loss_fn(recorded)
     _progress(rank, f"{case['name']}: reset")
-    worker.reset()
+    worker, losses, grads = base.recording_worker(cfg, case)
     engine = worker.engine
     out["groups"] = base.fsdp_groups(engine.module)
     out["sp_size"] = engine.ulysses_sequence_parallel_size
@@ -461,14 +451,12 @@ def run_ulysses(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[
     layers = engine.module.model.language_model.layers
     layers[0].register_forward_pre_hook(lambda _m, args: text_inputs.append(list(args[0].shape)) and None)
     sp_groups: list[int | None] = []
-    step_optimizer = engine.optimizer_step
-    grads: list[dict[str, Any]] = []
     params: list[dict[str, Any]] = []
+    step_optimizer = engine.optimizer_step  # recording_worker's: it keeps the gradients verl steps with
 
-    def optimizer_step() -> Any:  # the gradients verl steps with (see verl_engine_ranks.run_parity)
+    def optimizer_step() -> Any:  # and the sequence-parallel group's size at each step
         group = get_ulysses_sequence_parallel_group()
         sp_groups.append(None if group is None else dist.get_world_size(group))
-        grads.append({n: None if p.grad is None else base._full(p.grad) for n, p in engine.module.named_parameters()})
         return step_optimizer()
 
     engine.optimizer_step = optimizer_step
