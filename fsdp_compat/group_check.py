@@ -146,7 +146,7 @@ def report(
         "%s: %s: fsdp-compat's safety check cannot show that these FSDP2 groups of %s are unsharded whenever "
         "their parameters are read: %s. %s's grouping is kept as it is (%s applies it itself); if such a read finds "
         "its group sharded, fsdp-compat's run-time guard unshards the group there (one more all-gather; the group "
-        "then stays unsharded until the end of backward) and logs it. To avoid it, %s, or shard with "
+        "then stays unsharded until the end of backward) and logs it.%s To avoid it, %s, or shard with "
         "fsdp_compat.apply_fsdp2.",
         framework,
         name,
@@ -154,6 +154,23 @@ def report(
         "; ".join(f"{group} ({why})" for group, why in unsafe),
         framework,
         framework,
+        _split_sentence(unsafe),
         advice,
     )
     return unsafe
+
+
+def _split_sentence(unsafe: list[tuple[str, str]]) -> str:
+    """What the guard cannot mend: a Parameter whose sharers sit in different groups. torch >= 2.13 refuses it at
+    the first forward's lazy init (``ValueError: Parameter '...' is shared with a parameter already managed by
+    another FSDP group``), all-image or not; older torch shards it twice."""
+    from fsdp_compat.safety import SPLIT_SHARERS
+
+    split = [group for group, why in unsafe if why.endswith(SPLIT_SHARERS)]
+    if not split:
+        return ""
+    return (
+        f" The guard cannot mend {' and '.join(split)}: a Parameter whose sharers sit in different groups is refused "
+        "by torch >= 2.13 at the first forward (\"shared with a parameter already managed by another FSDP group\") "
+        "and sharded twice by older torch; keep all its sharers in one group."
+    )

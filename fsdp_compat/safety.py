@@ -196,6 +196,10 @@ def bottom_up(tree: ModuleTree, keys: list[Key]) -> tuple[list[Key], list[Key]]:
 # Settling a layout: one problem at a time, deepest group first
 
 
+#: The end of a ``split`` problem's description (group_check tells such a group apart by it).
+SPLIT_SHARERS = "hold one Parameter, which fully_shard cannot split across groups"
+
+
 @dataclass(frozen=True)
 class Problem:
     """Why a layout is not safe yet, about one group: reads outside its window (``read``), a Parameter whose
@@ -210,7 +214,7 @@ class Problem:
         if self.kind == "read":
             return self.reads[0].describe()
         if self.kind == "split":
-            return f"{', '.join(self.sharers)} hold one Parameter, which fully_shard cannot split across groups"
+            return f"{', '.join(self.sharers)} {SPLIT_SHARERS}"
         return "cannot be ordered bottom-up with the other groups"
 
 

@@ -54,6 +54,16 @@ def test_a_group_that_splits_a_tied_parameters_sharers_is_unsafe() -> None:
     """Tied embeddings (one Parameter, two modules): a group around one sharer alone splits them."""
     seen = _checked([["model.language_model.embed_tokens"]], model="glm4v-tied")
     assert [group for group, _ in seen["check"]] == ["model.language_model.embed_tokens"], seen["check"]
+    warnings = [line for line in seen["lines"] if "cannot show that these FSDP2 groups" in line]
+    assert len(warnings) == 1, seen["lines"]
+    assert "The guard cannot mend model.language_model.embed_tokens: a Parameter whose sharers" in warnings[0]
+    assert "keep all its sharers in one group" in warnings[0], warnings[0]
+
+
+def test_a_read_alone_does_not_claim_the_guard_cannot_mend_it() -> None:
+    seen = _checked([*LAYERS, ["lm_head"]])
+    warnings = [line for line in seen["lines"] if "cannot show that these FSDP2 groups" in line]
+    assert len(warnings) == 1 and "The guard cannot mend" not in warnings[0], warnings
 
 
 def test_code_it_cannot_read_keeps_the_groups_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
