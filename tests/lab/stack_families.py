@@ -102,6 +102,10 @@ _TRANSFORMERS_5_18 = dict(
 #: Of those, transformers 5.16.1 (its env) lacks UnlimitedOcr (DeepSeek-OCR 2 stands for the SAM kind).
 #: Fuyu is out too: FuyuConfig has no ``vision_config``, so HFModelWrapper loads it as a text model and passes no
 #: image at all (and transformers 5.16.1's Fuyu takes ``image_patches``): the unpatched image|text run trains.
+#: Of the held kinds (:data:`HELD_KINDS`), measured through the same path with images on both ranks: DeepSeek-VL-Hybrid
+#: needs ``high_res_pixel_values`` ("Both pixel_values and high_res_pixel_values should be specified at the same
+#: time"); Florence-2's encoder-decoder logits do not fit SkyRL's log-prob gather ("Size does not match at dimension
+#: 1 expected index [2, 14, 1] to be no larger than self [2, 1, 128]"); Inkling and Inkling 2 are not in 5.16.1.
 _SKYRL_KINDS = ("fixed_inputs", "tile_inputs", "sam_inputs", "patch_grid_inputs", "conv_grid_inputs",
                 "grid_patches_inputs")  # fmt: skip
 
