@@ -116,7 +116,9 @@ _SKYRL_KINDS = ("fixed_inputs", "tile_inputs", "sam_inputs", "patch_grid_inputs"
 #: modeling_minicpmv4_6.py, with or without FSDP): the packed kind cannot go through verl's engine. Nor can Fuyu:
 #: verl's ``apply_monkey_patch`` reads ``text_config.num_key_value_heads``
 #: (verl/models/transformers/monkey_patch.py:340) and its Persimmon text config has none (``AttributeError``, with
-#: or without fsdp-compat, before any step).
+#: or without fsdp-compat, before any step). Molmo2 (transformers 5.25) trains only with ``mm_token_type_ids``, which
+#: verl's own SFT dataset and agent loop drop: its rows keep it (the rank routines' ``KEEPS_MM_TOKEN_TYPES``), as a
+#: user's own dataset would.
 _VERL_KINDS_LEFT_OUT = ("packed_inputs", "flat_patch_inputs")
 
 #: stack -> the tiny model each kind runs there (``grid_inputs``, the patch grid, is every stack's GLM4V/Qwen2.5-VL).
@@ -129,6 +131,9 @@ STACKS: dict[str, dict[str, str]] = {
     "nemo_automodel": _picks(**_TRANSFORMERS_5_18, hybrid_inputs=None),  # 2.9e-11 there too (SAM's patch embed): HELD
     "skyrl": {k: m for k, m in _picks(sam_inputs="lab.vlms:deepseek_ocr2").items() if k in _SKYRL_KINDS},
     "verl": {k: m for k, m in _picks(**_TRANSFORMERS_5_10).items() if k not in _VERL_KINDS_LEFT_OUT},
+    # verl loads with a plain from_pretrained (no checkpoint layout issue); DeepSeek-VL-Hybrid is 2.9e-11 off on
+    # transformers 5.25 (SAM's patch-embed gradient, step 1), as through accelerate there
+    "verl-transformers-5.25": {k: m for k, m in _picks(hybrid_inputs=None).items() if k not in _VERL_KINDS_LEFT_OUT},
 }
 
 

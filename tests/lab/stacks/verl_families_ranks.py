@@ -44,6 +44,12 @@ EXPECTED_ERRORS = (
 #: the batch keys that are not vision inputs; ``mm_token_type_ids`` is dropped as verl's datasets drop it (the SFT
 #: dataset, ``verl/utils/dataset/multiturn_sft_dataset.py``; the agent loop uses it for position ids only)
 TEXT_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids")
+#: the families whose forward needs ``mm_token_type_ids`` to train (transformers 5.25's Molmo2: "ValueError:
+#: `mm_token_type_ids` is required as a model input when training", modeling_molmo2.py:835), which verl 0.9.1's own
+#: data paths drop (the SFT dataset, multiturn_sft_dataset.py:330; the agent loop pops it after the position ids,
+#: agent_loop.py:937): with them no step runs, fsdp-compat or not. Their rows keep it, as a dataset of the user's own
+#: that keeps the processor's output would; the engine takes it (``_VARLEN_MULTI_MODAL_KEYS``: right-padded, joined)
+KEEPS_MM_TOKEN_TYPES = frozenset({"lab.vlms:molmo2"})
 
 
 def _progress(rank: int, text: str) -> None:
@@ -53,18 +59,30 @@ def _progress(rank: int, text: str) -> None:
 # ------------------------------------------------------------------------------------------------------ the batch
 
 
+#: a per-image size key -> the rows each image has along dim 0 of the keys laid out by it: patches
+#: (``image_grid_thw``: Qwen-VL-like grids; ``image_grid_hw``: Nemotron-H Omni), pooled tokens (``image_grids``:
+#: Molmo2's ``image_token_pooling``, high-resolution rows x columns plus the low-resolution part's), packed patches
+#: (``target_sizes``, MiniCPM-V 4.6: columns of a strip, below)
+_PER_IMAGE_ROWS = {
+    "image_grid_thw": lambda sizes: sizes.prod(-1),
+    "image_grid_hw": lambda sizes: sizes.prod(-1),
+    "image_grids": lambda sizes: sizes[:, 0] * sizes[:, 1] + sizes[:, 2] * sizes[:, 3],
+    "target_sizes": lambda sizes: sizes.prod(-1),
+}
+
+
 def _image_slice(batch: dict[str, Any], key: str, images: int, image: int) -> Any:
     """Image ``image``'s part of vision key ``key``, as a processor run on that image alone lays it out: one entry
-    per image along dim 0 (most kinds), the image's patch rows (``image_grid_thw``: patches along dim 0), or its
-    columns of a NaViT-packed ``(1, C, p, columns)`` strip (``target_sizes``: MiniCPM-V 4.6)."""
+    per image along dim 0 (most kinds), the image's rows (:data:`_PER_IMAGE_ROWS`: patches or pooled tokens along
+    dim 0), or its columns of a NaViT-packed ``(1, C, p, columns)`` strip (``target_sizes``: MiniCPM-V 4.6)."""
     value = batch[key]
     if value.shape[0] == images:
         return value[image : image + 1]
-    for sizes in ("image_grid_thw", "target_sizes"):
+    for sizes, rows in _PER_IMAGE_ROWS.items():
         if sizes not in batch or key == sizes:
             continue
-        counts = [int(c) for c in batch[sizes].prod(-1)]
-        if sizes == "image_grid_thw" and value.shape[0] == sum(counts):
+        counts = [int(c) for c in rows(batch[sizes])]
+        if sizes != "target_sizes" and value.shape[0] == sum(counts):
             return value[sum(counts[:image]) : sum(counts[: image + 1])]
         if sizes == "target_sizes" and value.shape[0] == 1 and value.shape[-1] == sum(counts) * value.shape[-2]:
             step = value.shape[-2]
@@ -72,14 +90,17 @@ def _image_slice(batch: dict[str, Any], key: str, images: int, image: int) -> An
     raise ValueError(f"{key} {tuple(value.shape)}: no per-image layout known ({images} images)")
 
 
-def row_inputs(batch: dict[str, Any], row: int, images: int, image_row: int | None) -> dict[str, Any]:
+def row_inputs(
+    batch: dict[str, Any], row: int, images: int, image_row: int | None, keep_types: bool = False
+) -> dict[str, Any]:
     """Row ``row``'s ``multi_modal_inputs``: every per-token key (shaped like ``input_ids``) cut to the row, every
-    vision key cut to the row's image ``image_row`` (:func:`_image_slice`; None: a text row, no vision key)."""
+    vision key cut to the row's image ``image_row`` (:func:`_image_slice`; None: a text row, no vision key);
+    ``mm_token_type_ids`` only with ``keep_types`` (:data:`KEEPS_MM_TOKEN_TYPES`)."""
     ids = batch["input_ids"]
     n = int(batch["attention_mask"][row].sum())
     out: dict[str, Any] = {}
     for key, value in batch.items():
-        if key in TEXT_KEYS:
+        if key in TEXT_KEYS and not (keep_types and key == "mm_token_type_ids"):
             continue
         if tuple(value.shape[:2]) == tuple(ids.shape):  # per token (mm_token_type_ids, token_type_ids)
             out[key] = value[row : row + 1, :n]
@@ -88,7 +109,7 @@ def row_inputs(batch: dict[str, Any], row: int, images: int, image_row: int | No
     return out
 
 
-def collate_rows(batch: dict[str, Any], image_token: int, world_size: int) -> Any:
+def collate_rows(batch: dict[str, Any], image_token: int, world_size: int, keep_types: bool = False) -> Any:
     """The rows as verl's SFT dataset yields them (no padding, per-row ``multi_modal_inputs``), through verl's own
     ``SFTTensorCollator``, with the SFT trainer's meta (``use_remove_padding`` False: the padded path)."""
     import torch
@@ -104,7 +125,7 @@ def collate_rows(batch: dict[str, Any], image_token: int, world_size: int) -> An
                 "input_ids": ids[i, :n],
                 "position_ids": torch.arange(n),
                 "loss_mask": (batch["labels"][i, :n] != -100).long(),
-                "multi_modal_inputs": row_inputs(batch, i, images, image if has_image[i] else None),
+                "multi_modal_inputs": row_inputs(batch, i, images, image if has_image[i] else None, keep_types),
             }
         )
         image += has_image[i]
@@ -121,7 +142,8 @@ def image_token(model: str) -> int:
 def sft_batch(model: str, kind: str, seed: int, world_size: int) -> Any:
     from fsdp_compat.testing.zoo import make_batch
 
-    return collate_rows(make_batch(model, seed=seed, variant=kind), image_token(model), world_size)
+    batch = make_batch(model, seed=seed, variant=kind)
+    return collate_rows(batch, image_token(model), world_size, model in KEEPS_MM_TOKEN_TYPES)
 
 
 # ------------------------------------------------------------------------------------------------- the engine
