@@ -327,19 +327,36 @@ def run_case(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[str
 
 
 def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
-    """A case that must stop with one of EXPECTED_ERRORS: the exception line and where it was raised."""
+    """A case that must stop with one of EXPECTED_ERRORS (:func:`stopped`)."""
+    return stopped(run_parity if case.get("kinds") else run_case, cfg, case, rank, EXPECTED_ERRORS)
+
+
+def stopped(
+    run: Any, cfg: dict[str, Any], case: dict[str, Any], rank: int, expected: tuple[str, ...]
+) -> dict[str, Any]:
+    """``run(cfg, case, rank, out)``, a case that must stop with one of ``expected``: the exception line, where it was
+    raised and every frame (relative to their ``sys.path`` entry: ``verl/...``), the traceback's end; with
+    ``case["hold_s"]`` the process then stays alive that long (as a Ray actor's process does after its method
+    raised, so that a rank waiting on it waits as on a cluster). Anything else is raised again."""
     out: dict[str, Any] = {"error": None}
     try:
-        (run_parity if case.get("kinds") else run_case)(cfg, case, rank, out)
+        run(cfg, case, rank, out)
     except Exception as exc:
         line = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        if not any(text in line for text in EXPECTED_ERRORS):
+        print(f"verl-progress rank {rank}: {case.get('name', '')}: stopped: {line[:300]}", flush=True)
+        if not any(text in line for text in expected):
             raise
-        frame = traceback.extract_tb(exc.__traceback__)[-1]  # where: relative to its sys.path entry (verl/...)
-        roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and frame.filename.startswith(p)), key=len)
-        where = f"{frame.filename[len(roots[-1]) if roots else 0:]}:{frame.lineno}"
-        out.update(error=line, where=where, traceback=traceback.format_exc()[-3000:])
+        frames = [f"{_relative(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)]
+        out.update(error=line, where=frames[-1].split()[0], frames=frames, traceback=traceback.format_exc()[-3000:])
+        if case.get("hold_s"):
+            time.sleep(case["hold_s"])
     return out
+
+
+def _relative(filename: str) -> str:
+    """``filename`` relative to its ``sys.path`` entry (``verl/utils/fsdp_utils.py``)."""
+    roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and filename.startswith(p.rstrip("/") + "/")), key=len)
+    return filename[len(roots[-1]) :] if roots else filename
 
 
 # ---------------------------------------------------- different data on every rank, parity, mixed image/text ranks
@@ -406,8 +423,12 @@ def p14_batch(kind: str, seed: int) -> dict[str, Any]:
         input_ids[i, : len(r)], mask[i, : len(r)], mm_types[i, : len(k)] = torch.tensor(r), 1, torch.tensor(k)
     labels = input_ids.clone()
     labels[(mask == 0) | (mm_types != 0)] = -100
-    batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
-                             "mm_token_type_ids": mm_types}
+    batch: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "mm_token_type_ids": mm_types,
+    }
     if grids:
         batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
         batch["pixel_values"] = torch.randn(sum(t * h * w for t, h, w in grids), P14_PATCH_DIM, generator=g)
@@ -881,8 +902,14 @@ def forward_probe() -> dict[str, Any]:
     original = getattr(glm4v._get_input_embeds, "__wrapped__", None)
     if original is not None:
         try:
-            original(model.model, batch["input_ids"], batch["attention_mask"], batch["pixel_values"], None,
-                     batch["image_grid_thw"])
+            original(
+                model.model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["pixel_values"],
+                None,
+                batch["image_grid_thw"],
+            )
             out["unrepaired"] = "ran"
         except Exception as exc:
             out["unrepaired"] = traceback.format_exception_only(type(exc), exc)[-1].strip()

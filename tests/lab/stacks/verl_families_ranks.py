@@ -25,7 +25,6 @@ import copy
 import inspect
 import sys
 import time
-import traceback
 from typing import Any
 
 import lab.stacks.verl_engine_ranks as base
@@ -295,28 +294,9 @@ def reference(
     return out
 
 
-def _relative(filename: str) -> str:
-    """``filename`` relative to its ``sys.path`` entry (``verl/utils/fsdp_utils.py``)."""
-    roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and filename.startswith(p.rstrip("/") + "/")), key=len)
-    return filename[len(roots[-1]) :] if roots else filename
-
-
 def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
-    """A case that must stop with one of :data:`EXPECTED_ERRORS`: the exception line and where it was raised; with
-    ``hold_s`` the process then stays alive that long (as a Ray actor's process does after its method raised)."""
-    out: dict[str, Any] = {"error": None}
-    try:
-        run_family(cfg, case, rank, out)
-    except Exception as exc:
-        line = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        _progress(rank, f"{case['name']}: stopped: {line[:300]}")
-        if not any(text in line for text in EXPECTED_ERRORS):
-            raise
-        frames = [f"{_relative(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)]
-        out.update(error=line, where=frames[-1].split()[0], frames=frames, traceback=traceback.format_exc()[-3000:])
-        if case.get("hold_s"):
-            time.sleep(case["hold_s"])
-    return out
+    """A case that must stop with one of :data:`EXPECTED_ERRORS` (:func:`lab.stacks.verl_engine_ranks.stopped`)."""
+    return base.stopped(run_family, cfg, case, rank, EXPECTED_ERRORS)
 
 
 def families_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:

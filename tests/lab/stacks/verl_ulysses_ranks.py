@@ -231,9 +231,16 @@ def _virtual_sp(copies: list[Any], family: str) -> None:
         if inside and any(True for _ in leaf.parameters(recurse=False)):
             _per_slice(leaf, [c.get_submodule(path) for c in copies])
 
-    def forward(input_ids: Any, attention_mask: Any = None, labels: Any = None, pixel_values: Any = None,
-                pixel_values_videos: Any = None, image_grid_thw: Any = None, video_grid_thw: Any = None,
-                **kwargs: Any) -> Any:
+    def forward(
+        input_ids: Any,
+        attention_mask: Any = None,
+        labels: Any = None,
+        pixel_values: Any = None,
+        pixel_values_videos: Any = None,
+        image_grid_thw: Any = None,
+        video_grid_thw: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         import torch
         from verl.utils.ulysses import ulysses_pad
 
@@ -244,8 +251,9 @@ def _virtual_sp(copies: list[Any], family: str) -> None:
         padded.append(input_ids.shape[1] - tokens)
         embeds = []
         for c in copies:  # verl's glm4v_base_forward on each virtual rank (the repaired _get_input_embeds)
-            e, mask = verl_forward._get_input_embeds(c.model, input_ids, attention_mask, pixel_values,
-                                                     pixel_values_videos, image_grid_thw, video_grid_thw)
+            e, mask = verl_forward._get_input_embeds(
+                c.model, input_ids, attention_mask, pixel_values, pixel_values_videos, image_grid_thw, video_grid_thw
+            )
             embeds.append(e)
         kwargs["inputs_embeds"] = torch.cat([_split(e, sp)[s] for s, e in enumerate(embeds)], dim=1)
         kwargs["attention_mask"] = mask
@@ -287,7 +295,12 @@ def _tree_sums(terms: list[Any]) -> list[Any]:
 
 
 def ulysses_reference(
-    engine: Any, cfg: dict[str, Any], case: dict[str, Any], ranks: list[Any], grads: list[Any], params: list[Any],
+    engine: Any,
+    cfg: dict[str, Any],
+    case: dict[str, Any],
+    ranks: list[Any],
+    grads: list[Any],
+    params: list[Any],
     sp: int,
 ) -> dict[str, Any]:
     """:func:`lab.stacks.verl_engine_ranks.parity_reference` (one process, no FSDP, verl's GLM4V forward through
@@ -309,9 +322,10 @@ def ulysses_reference(
     kinds = case["kinds"]
     hf_config = engine.model_config.hf_config
     copies = [
-        get_hf_auto_model_class(hf_config=hf_config).from_pretrained(
-            cfg[case["model_dir"]], torch_dtype=torch.float32, config=hf_config
-        ).to(get_device_name()).train()
+        get_hf_auto_model_class(hf_config=hf_config)
+        .from_pretrained(cfg[case["model_dir"]], torch_dtype=torch.float32, config=hf_config)
+        .to(get_device_name())
+        .train()
         for _ in range(sp)
     ]
     single = _single_process(engine)
@@ -463,8 +477,9 @@ def run_ulysses(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[
     out["steps"] = []
     for step in range(case.get("steps", 2)):
         lr, first = engine.optimizer.param_groups[0]["lr"], len(calls)
-        batch = sft_batch(_family(case), kinds[dp_rank % len(kinds)], base._seed(step, dp_rank), dp,
-                          case["remove_padding"])
+        batch = sft_batch(
+            _family(case), kinds[dp_rank % len(kinds)], base._seed(step, dp_rank), dp, case["remove_padding"]
+        )
         dummies = _dummy_calls(engine.module)
         out.setdefault("rows", []).append(int(batch["input_ids"].shape[0]))
         seen, attended, texts = len(model_inputs), len(attention), len(text_inputs)
@@ -500,24 +515,8 @@ def run_ulysses(cfg: dict[str, Any], case: dict[str, Any], rank: int, out: dict[
 
 
 def run_expected_failure(cfg: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
-    """A case that must stop with one of EXPECTED_ERRORS: the exception line and where it was raised."""
-    import sys
-
-    out: dict[str, Any] = {"error": None}
-    try:
-        run_ulysses(cfg, case, rank, out)
-    except Exception as exc:
-        line = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        _progress(rank, f"{case['name']}: stopped: {line[:300]}")
-        if not any(text in line for text in EXPECTED_ERRORS):
-            raise
-        frame = traceback.extract_tb(exc.__traceback__)[-1]
-        roots = sorted((p.rstrip("/") + "/" for p in sys.path if p and frame.filename.startswith(p)), key=len)
-        where = f"{frame.filename[len(roots[-1]) if roots else 0:]}:{frame.lineno}"
-        out.update(error=line, where=where, traceback=traceback.format_exc()[-3000:])
-        if case.get("hold_s"):  # stay alive, as a Ray actor's process does after its method raised
-            time.sleep(case["hold_s"])
-    return out
+    """A case that must stop with one of EXPECTED_ERRORS (:func:`lab.stacks.verl_engine_ranks.stopped`)."""
+    return base.stopped(run_ulysses, cfg, case, rank, EXPECTED_ERRORS)
 
 
 def ulysses_ranks(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
