@@ -75,6 +75,8 @@ ON: dict[str, str | None] = {
 }
 #: The same with fsdp-compat off: the framework as it is, for the crash shown first.
 OFF: dict[str, str | None] = {**ON, "FSDP_COMPAT": "off"}
+#: fsdp-compat on but its mixed micro-batch alignment off: the collective mismatch of image|text ranks shown first.
+MIXED_OFF: dict[str, str | None] = {**ON, "FSDP_COMPAT_MIXED_BATCHES": "off"}
 
 
 def rank_output(result: Any) -> str:

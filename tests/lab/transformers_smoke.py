@@ -26,6 +26,9 @@ from fsdp_compat.testing.zoo import builder
 __all__ = [
     "GLM4V_USER_PLAN",
     "TINY",
+    "aborts_then_exact",
+    "assert_native_exact",
+    "assert_unaligned_aborts",
     "build_tiny",
     "load_differences",
     "model_class",
@@ -281,6 +284,41 @@ def compare_loads(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Rank
             differences[path] = gap
     extra["differences"] = differences
     return RankResult(rank=rank, ok=True, extra=extra)
+
+
+def assert_native_exact(run: RunResult) -> None:
+    """Difference 0.0 (not a tolerance): gradients and post-AdamW parameters, and each rank's own-batch loss; the
+    ranks' losses differ (different data on every rank)."""
+    run.raise_for_error()
+    assert run.max_abs_grad_diff == 0.0, (run.max_abs_grad_diff, run.ranks[0].extra.get("worst_param"))
+    assert run.max_abs_param_diff == 0.0, (run.max_abs_param_diff, run.ranks[0].extra.get("worst_param"))
+    for rank in run.ranks:
+        assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra["reference_losses"])
+    assert run.ranks[0].losses != run.ranks[1].losses
+
+
+def assert_unaligned_aborts(name: str, path: Any, plan: dict[str, str] | None, variants: list[str]) -> None:
+    """``variants`` per rank through transformers' native FSDP2 with ``plan``, fsdp-compat's alignment off
+    (:data:`lab.support.MIXED_OFF`): gloo aborts on the collective mismatch."""
+    from fsdp_compat.testing.crashes import GLOO_MISMATCH
+    from fsdp_compat.testing.launch import current_wording
+    from lab.support import MIXED_OFF
+
+    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
+    assert not off.ok, describe(off)
+    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
+    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
+
+
+def aborts_then_exact(name: str, path: Any, plan: dict[str, str] | None, variants: list[str]) -> RunResult:
+    """:func:`assert_unaligned_aborts`, then the same with fsdp-compat's defaults (:data:`lab.support.ON`): both
+    ranks equal one process (:func:`assert_native_exact`). Returns the exact run."""
+    from lab.support import ON
+
+    assert_unaligned_aborts(name, path, plan, variants)
+    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
+    assert_native_exact(run)
+    return run
 
 
 def describe(run: RunResult) -> str:

@@ -817,6 +817,20 @@ def parity_reference(
     return out
 
 
+def assert_reference_steps_exact(reference: dict[str, Any], steps: int, label: str = "") -> None:
+    """Every step of a one-process reference (:func:`parity_reference` and its kin) against the engine's ranks: no
+    parameter missing on either side, losses, gradients and post-AdamW parameters 0.0, the ranks' losses different
+    (each its own data) and finite."""
+    assert len(reference["steps"]) == steps, reference
+    for step, ref in enumerate(reference["steps"]):
+        assert ref["missing"] == [], (label, step, ref["missing"])
+        assert ref["loss_diff"] == 0.0, (label, step, ref["loss_diff"], ref["losses"])
+        assert ref["grad_diff"] == 0.0, (label, step, ref["grad_diff"], ref["grad_at"])
+        assert ref["param_diff"] == 0.0, (label, step, ref["param_diff"], ref["param_at"])
+        assert ref["losses"][0] != ref["losses"][1], f"{label}: both ranks saw the same data: {ref['losses']}"
+        assert all(math.isfinite(x) for x in ref["losses"]), (label, ref["losses"])
+
+
 def engine_loss() -> Any:
     """verl's SFT loss as the SFT trainer binds it."""
     from functools import partial

@@ -29,11 +29,11 @@ Figures: torch 2.14.1 (CPU), 2 gloo ranks on 2 cores, about 2.5 minutes for this
 from __future__ import annotations
 
 import importlib
-import math
 from importlib import metadata
 from typing import Any
 
 import pytest
+from lab.stacks.verl_engine_ranks import assert_reference_steps_exact
 from lab.support import OFF, ON, STUBS, rank_output, rank_pythonpath, require_framework
 from packaging.version import Version
 
@@ -194,14 +194,8 @@ def test_timm_tower_rank_without_images_crashes_then_trains_exactly_through_verl
     assert all("pixel_values" in s["model_inputs"][0] for s in image["steps"]), image["steps"]
     assert not any("pixel_values" in s["model_inputs"][0] for s in text["steps"]), text["steps"]
     reference = image["reference"]
-    assert len(reference["steps"]) == STEPS, reference
-    for step, ref in enumerate(reference["steps"]):
-        assert ref["missing"] == [], ref["missing"]
-        assert ref["loss_diff"] == 0.0, (step, ref["loss_diff"], ref["losses"])
-        assert ref["grad_diff"] == 0.0, (step, ref["grad_diff"], ref["grad_at"])
-        assert ref["param_diff"] == 0.0, (step, ref["param_diff"], ref["param_at"])
-        assert ref["losses"][0] != ref["losses"][1] and all(math.isfinite(x) for x in ref["losses"]), ref
-        assert ref["grad_norm_vision"] > 0.0, ref
+    assert_reference_steps_exact(reference, STEPS, name)
+    assert all(ref["grad_norm_vision"] > 0.0 for ref in reference["steps"]), reference["steps"]
     _seconds(f"verl {VERL}", name, off, on)
 
 

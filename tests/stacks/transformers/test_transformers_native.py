@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 from lab.families import assert_held
 from lab.stack_families import HELD, NATIVE_OWN_LAYOUT, STACKS, tower_layers, tower_plan
-from lab.support import BREADTH, require_framework
+from lab.support import BREADTH, OFF, ON, require_framework
 
 from fsdp_compat.policies import Auto, Legacy
-from fsdp_compat.testing.crashes import GLOO_MISMATCH
 
 transformers = importlib.import_module("transformers")
 # transformers < 5.16 (the core env) has no native FSDP2
@@ -35,22 +33,20 @@ fsdp_module = require_framework(
 from fsdp_compat.adapters import transformers as adapter  # noqa: E402
 from lab.transformers_smoke import (  # noqa: E402
     GLM4V_USER_PLAN,
+    aborts_then_exact,
+    assert_native_exact,
+    assert_unaligned_aborts,
     build_tiny,
-    describe,
     load_differences,
     run_native,
     save_tiny,
 )
 
 from fsdp_compat.plan import plan_wrap  # noqa: E402
-from fsdp_compat.testing.launch import current_wording  # noqa: E402
 from fsdp_compat.testing.zoo import build_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-OFF = {"FSDP_COMPAT": "off"}
-ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_POLICY": None, "FSDP_COMPAT_MIXED_BATCHES": None}
-MIXED_OFF = {**ON, "FSDP_COMPAT_MIXED_BATCHES": "off"}
 #: A user plan that shards GLM4V's vision blocks on their own (a large tower's usual choice).
 MIXED_PLAN = {"model.visual.blocks.*": "free_full_weight"}
 
@@ -65,16 +61,6 @@ def resolved_plan(model, override=None) -> dict[str, str]:
     """The concrete plan transformers hands to apply_fully_sharded_data_parallelism (no process group needed)."""
     _, _, plan = model._resolve_parallel_plans(transformers.DistributedConfig(fsdp_size=2, fsdp_plan=override))
     return plan
-
-
-def assert_exact(run) -> None:
-    """Difference 0.0 (not a tolerance): gradients and post-AdamW parameters, and each rank's own-batch loss."""
-    run.raise_for_error()
-    assert run.max_abs_grad_diff == 0.0, (run.max_abs_grad_diff, run.ranks[0].extra.get("worst_param"))
-    assert run.max_abs_param_diff == 0.0, (run.max_abs_param_diff, run.ranks[0].extra.get("worst_param"))
-    for rank in run.ranks:
-        assert rank.losses == rank.extra["reference_losses"], (rank.rank, rank.losses, rank.extra["reference_losses"])
-    assert run.ranks[0].losses != run.ranks[1].losses  # different data on every rank
 
 
 def fsdp_compat_lines(run) -> list[str]:
@@ -92,7 +78,7 @@ def test_gemma4_builtin_plan_crashes_without_fsdp_compat(checkpoints):
 
 def test_gemma4_builtin_plan_exact_with_fsdp_compat(checkpoints):
     run = run_native("gemma4", checkpoints["gemma4"], env=ON)
-    assert_exact(run)
+    assert_native_exact(run)
     groups = run.ranks[0].extra["fsdp_groups"]
     assert ["model.language_model.embed_tokens"] not in groups
     assert ["model.language_model.layers.0"] in groups and ["model.language_model.norm"] in groups
@@ -108,7 +94,7 @@ def test_glm4v_user_plan_crashes_without_fsdp_compat(checkpoints):
 
 def test_glm4v_user_plan_exact_with_fsdp_compat(checkpoints):
     run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=GLM4V_USER_PLAN, env=ON)
-    assert_exact(run)
+    assert_native_exact(run)
     groups = run.ranks[0].extra["fsdp_groups"]
     assert ["model.visual.embeddings.position_embedding"] not in groups
     assert ["model.language_model.embed_tokens"] in groups  # the safe rest of the plan is kept
@@ -124,12 +110,7 @@ def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
     one zero dummy tower call per forward and both ranks equal one process on both micro-batches (0.0)."""
     variants = ["image", "text"]
     glm4v = checkpoints["glm4v"]
-    off = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=MIXED_OFF, variants=variants, timeout_s=60)
-    assert not off.ok, describe(off)
-    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
-    run = run_native("glm4v", glm4v, fsdp_plan=MIXED_PLAN, env=ON, variants=variants)
-    assert_exact(run)
+    run = aborts_then_exact("glm4v", glm4v, MIXED_PLAN, variants)
     assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
@@ -138,18 +119,6 @@ def test_glm4v_rank_without_images_crashes_then_trains_exactly(checkpoints):
 #: One family of every other tower kind (lab.stack_families: the smallest exact one transformers 5.25 has), the
 #: patch grid being GLM4V's above.
 KIND_FAMILIES = STACKS["transformers"]
-
-
-def _unaligned_aborts_then_exact(name: str, path: Any, plan: dict[str, str], variants: list[str]) -> Any:
-    """``variants`` per rank through transformers' native FSDP2 with ``plan``: with the alignment off gloo aborts;
-    with fsdp-compat both ranks equal one process (0.0). Returns the exact run."""
-    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=variants, timeout_s=60)
-    assert not off.ok, describe(off)
-    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
-    run = run_native(name, path, fsdp_plan=plan, env=ON, variants=variants)
-    assert_exact(run)
-    return run
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, id=kind, marks=BREADTH) for kind, name in KIND_FAMILIES.items()])
@@ -164,7 +133,7 @@ def test_every_tower_kind_rank_without_images_crashes_then_trains_exactly(name, 
     first = layers if plan.get(layers) else f"{layers}.0"
     path = save_tiny(name, tmp_path, original_format=name not in NATIVE_OWN_LAYOUT)
     variants = ["image", "text"]
-    run = _unaligned_aborts_then_exact(name, path, plan, variants)
+    run = aborts_then_exact(name, path, plan, variants)
     assert [first] in run.ranks[0].extra["fsdp_groups"], run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward, 2 steps
     assert [r.extra["mixed_batches"]["exchanges"] for r in run.ranks] == [2, 2]
@@ -180,10 +149,7 @@ def test_inexact_tower_kind_aborts_then_stays_within_fsdp2s_own_distance(name, t
     (:func:`~lab.families.assert_held`)."""
     plan = tower_plan(build_tiny(name))
     path = save_tiny(name, tmp_path, original_format=name not in NATIVE_OWN_LAYOUT)
-    off = run_native(name, path, fsdp_plan=plan, env=MIXED_OFF, variants=["image", "text"], timeout_s=60)
-    assert not off.ok, describe(off)
-    text = "\n".join((r.error or "") + str(r.extra.get("log_tail", "")) for r in off.ranks)
-    assert GLOO_MISMATCH in current_wording(text), text[-3000:]
+    assert_unaligned_aborts(name, path, plan, ["image", "text"])
     alone = run_native(name, path, fsdp_plan=plan, env=ON, variants=["image", "image"])
     run = run_native(name, path, fsdp_plan=plan, env=ON, variants=["image", "text"])
     for result, dummies in ((alone, [0, 0]), (run, [0, 2])):
@@ -221,7 +187,7 @@ def test_audio_rank_against_text_rank_crashes_then_trains_exactly(tmp_path):
     plan = {"model.audio_tower.layers.*": "free_full_weight", "model.language_model.layers.*": "free_full_weight"}
     path = save_tiny(name, tmp_path)
     variants = ["audio", "text"]
-    run = _unaligned_aborts_then_exact(name, path, plan, variants)
+    run = aborts_then_exact(name, path, plan, variants)
     assert ["model.audio_tower.layers.0"] in run.ranks[0].extra["fsdp_groups"]
     assert [r.extra["mixed_batches"]["audio_dummy_calls"] for r in run.ranks] == [0, 2]  # one per forward
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0, 0]  # no image on either rank
@@ -234,7 +200,7 @@ def test_exported_plan_trains_exact_through_transformers_alone(checkpoints):
     assert exported["model.visual.blocks.*"] == "free_full_weight"
     assert not any("position_embedding" in key for key in exported)
     run = run_native("glm4v", checkpoints["glm4v"], fsdp_plan=exported, env=OFF)
-    assert_exact(run)
+    assert_native_exact(run)
     assert ["model.visual.blocks.0"] in run.ranks[0].extra["fsdp_groups"]
 
 

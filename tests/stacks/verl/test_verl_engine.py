@@ -25,6 +25,7 @@ from importlib import metadata
 from typing import Any
 
 import pytest
+from lab.stacks.verl_engine_ranks import assert_reference_steps_exact
 from lab.support import rank_pythonpath, require_framework
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -320,14 +321,7 @@ def _assert_exact_parity(ranks: list[dict[str, Any]], name: str) -> dict[str, An
     ran verl's forward on all ranks' micro-batches, ``(loss_r / 2).backward()`` each, one AdamW step: 0.0."""
     cases = _case(ranks, name)
     reference = cases[0]["reference"]
-    assert len(reference["steps"]) == 2, reference
-    for step, ref in enumerate(reference["steps"]):
-        assert ref["missing"] == [], ref["missing"]
-        assert ref["loss_diff"] == 0.0, (name, step, ref["loss_diff"], ref["losses"])
-        assert ref["grad_diff"] == 0.0, (name, step, ref["grad_diff"], ref["grad_at"])
-        assert ref["param_diff"] == 0.0, (name, step, ref["param_diff"], ref["param_at"])
-        assert ref["losses"][0] != ref["losses"][1], f"{name}: both ranks saw the same data: {ref['losses']}"
-        assert all(math.isfinite(x) for x in ref["losses"]), ref["losses"]
+    assert_reference_steps_exact(reference, 2, name)
     first, second = (s["loss"] for s in cases[0]["steps"])
     assert first != second, f"{name}: the loss did not move"
     losses = "; ".join(f"step {i + 1} losses {r['losses']}" for i, r in enumerate(reference["steps"]))
