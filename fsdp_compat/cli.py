@@ -117,10 +117,12 @@ def _installed(framework: str) -> bool:
     return False
 
 
-def _cmd_doctor(_args: argparse.Namespace) -> int:
-    from fsdp_compat.doctor import invalid_switches, report
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import json
 
-    print(report())
+    from fsdp_compat.doctor import as_dict, invalid_switches, report
+
+    print(json.dumps(as_dict(), indent=2) if args.json else report())
     return 1 if invalid_switches() else 0  # a value the run would refuse, or not take as written
 
 
@@ -166,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="installed frameworks, what is patched, whether activation is on; exits 1 "
                             "on a switch value the run would refuse")
+    doctor.add_argument("--json", action="store_true", help="print the same facts as one JSON object (stable keys, "
+                        "for scripts) instead of text")
     doctor.set_defaults(func=_cmd_doctor)
     return parser
 

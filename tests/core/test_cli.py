@@ -65,6 +65,10 @@ def test_doctor_runs(capsys: pytest.CaptureFixture) -> None:
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "verl" in out and "skyrl" in out
+    assert main(["doctor", "--json"]) == 0  # the same facts, one JSON object (tests/activation/test_doctor.py)
+    facts = json.loads(capsys.readouterr().out)
+    names = [row["distribution"] for row in facts["installed"]] + facts["not_installed"]
+    assert "verl" in names and "skyrl" in names and "torch" in names
 
 
 @pytest.mark.skipif(
