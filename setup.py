@@ -1,10 +1,11 @@
 """Ship ``fsdp_compat.pth`` at the top of the wheel, so pip installs it into site-packages.
 
 Everything else about the build lives in pyproject.toml. The .pth starts fsdp-compat's import hook in every
-Python process of the environment (SkyRL's Ray workers, verl's critic worker); it costs about a millisecond
-and imports no torch and no framework. setuptools has no declarative way to put a file at the wheel's root,
-hence this build_py subclass (the approach pytest-cov used). Editable installs (pip install -e .) do not
-get the .pth.
+Python process of the environment (SkyRL's Ray workers, verl's critic worker) and imports no torch and no
+framework. Its cost, measured by ``python -m benchmarks startup --no-verl --runs 30`` (2-core machine under load):
+1.3 ms of ``-X importtime`` and 1.3 ms in-process, +3.8 ms median wall time on ``python -c pass``.
+setuptools has no declarative way to put a file at the wheel's root, hence this build_py subclass (the approach
+pytest-cov used). Editable installs (pip install -e .) do not get the .pth.
 """
 
 from __future__ import annotations
