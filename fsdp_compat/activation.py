@@ -14,8 +14,10 @@ index :data:`fsdp_compat.adapters.ADAPTERS`. Everything else lives here once: th
 (``FSDP_COMPAT_FORCE``), the policy (``FSDP_COMPAT_POLICY``), the transaction (:mod:`fsdp_compat.patching`, which
 also rebinds late importers through the import-hook engine of :mod:`fsdp_compat._autoload`), activation on import
 of the trigger modules (``FSDP_COMPAT``) and its one record (who activated each distribution: ``pth-hook``,
-``import``, a framework's own hook, ``explicit``), exact restore on :meth:`Adapter.unpatch`, and one
-``fsdp-compat: patched ...`` line per distribution and process.
+``import``, a framework's own hook, ``explicit``), exact restore on :meth:`Adapter.unpatch`, and the
+``fsdp-compat: patched ...`` line: logged when a replacement is first *called* (the job uses what fsdp-compat
+changed), not when its module is imported, and at most one such line per process
+(:func:`fsdp_compat.log.announce_once`). Importing a framework's FSDP2 code without using it prints nothing.
 
 Each distribution of an adapter is patched on its own, when its trigger module is imported (skyrl-train and skyrl
 installed side by side are two transactions and two log lines). Imports no torch and no framework.
@@ -23,13 +25,16 @@ installed side by side are two transactions and two log lines). Imports no torch
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -48,7 +53,7 @@ from fsdp_compat._autoload import (
 )
 from fsdp_compat.adapter_index import ADAPTERS, AdapterEntry
 from fsdp_compat.errors import FsdpCompatError
-from fsdp_compat.log import logger
+from fsdp_compat.log import announce_once, logger
 from fsdp_compat.patching import Applied, Patch, Reexport, Replacement, apply, import_modules
 from fsdp_compat.policies import POLICY_NAMES, Policy, resolve_policy
 
@@ -75,6 +80,11 @@ __all__ = [
     "logger",
     "policy_from_env",
 ]
+
+#: Adapters whose replacement announces itself when it changes something the job uses: the generic layer's
+#: ``FSDPState._root_pre_forward`` runs at every FSDP2 root, with or without fsdp-compat's layer, so
+#: :mod:`fsdp_compat.runtime.every_root` calls :func:`fsdp_compat.log.announce_once` when a root gets the layer.
+SELF_ANNOUNCING = frozenset({"fsdp2"})
 
 
 class FsdpCompatWarning(UserWarning):
@@ -350,6 +360,8 @@ class Adapter:
             import_modules(patch)  # outside the lock: an import may fire other hooks (and this one)
         except Exception as exc:
             return self._failed(distribution, exc, explicit, rolled_back=False)
+        if self.key not in SELF_ANNOUNCING:
+            patch = self._announcing(patch, distribution)
         with self._lock:
             if distribution in self._state:
                 return True
@@ -370,11 +382,14 @@ class Adapter:
             return version
         verdict = self.fingerprint_verdict(distribution, version)
         if verdict is not None and verdict.unchanged:
-            self._basis[distribution] = Version(verdict.basis)
-            self._info_once(
-                f"fingerprint:{distribution}:{version}",
-                f"{distribution} {version} is newer than the tested range ({self.supported_text()}); what "
-                f"fsdp-compat replaces is unchanged from {verdict.basis} (fingerprint), patched",
+            self._basis[distribution] = Version(verdict.basis)  # named again in the line that announces the patch
+            logger.debug(
+                "%s %s is newer than the tested range (%s); what fsdp-compat replaces is unchanged from %s "
+                "(fingerprint), patching (logged at INFO when first used)",
+                distribution,
+                version,
+                self.supported_text(),
+                verdict.basis,
             )
             return version
         if force_enabled():
@@ -419,13 +434,6 @@ class Adapter:
         logger.debug("%s: patch failure", distribution, exc_info=exc)
         return False
 
-    def _info_once(self, key: str, message: str) -> None:
-        with self._lock:
-            if key in self._logged:
-                return
-            self._logged.add(key)
-        logger.info(message)
-
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
             if key in self._warned:
@@ -433,21 +441,84 @@ class Adapter:
             self._warned.add(key)
         warnings.warn(f"{PREFIX} {message}", FsdpCompatWarning, stacklevel=4)
 
+    def _announcing(self, patch: Patch, distribution: str) -> Patch:
+        """``patch`` with each replacement's factory wrapped so that the replacement's first call announces this
+        distribution (:meth:`_announce`): the job uses what fsdp-compat changed."""
+
+        def wrap(make: Callable[[Any, Policy], Any]) -> Callable[[Any, Policy], Any]:
+            def make_announcing(original: Any, policy: Policy) -> Any:
+                return _announce_on_first_call(make(original, policy), lambda: self._announce(distribution))
+
+            return make_announcing
+
+        replacements = tuple(dataclasses.replace(rep, make=wrap(rep.make)) for rep in patch.replacements)
+        return Patch(replacements, patch.repairs)
+
+    def _patched_line(self, distribution: str, state: _State) -> str:
+        """What this distribution's transaction installed, as the INFO line says it (deferred replacements that are
+        not in place yet are left out: the line names only what is installed)."""
+        installed = [line.split(" -> ")[0] for line in state.applied.lines() if " (deferred: " not in line]
+        how = f"(policy {state.applied.policy.name}, activated by {state.activated_by}): "
+        what = "; ".join(installed) or "nothing to replace"
+        basis = self._basis.get(distribution)
+        if basis is None:
+            return f"patched {distribution} {state.version} {how}{what}"
+        return (
+            f"{distribution} {state.version} is newer than the tested range ({self.supported_text()}); what "
+            f"fsdp-compat replaces is unchanged from {basis} (fingerprint), patched {how}{what}"
+        )
+
+    def _announce(self, distribution: str) -> None:
+        """The job used this distribution's replacement: say what was patched, once per distribution, as the
+        process's one INFO line if it is the first (:func:`fsdp_compat.log.announce_once`). Never raises."""
+        try:
+            with self._lock:
+                state = self._state.get(distribution)
+                if state is None or distribution in self._logged:
+                    return
+                self._logged.add(distribution)
+                line = self._patched_line(distribution, state)
+            announce_once("%s", line)
+        except Exception:  # runs inside the user's call of the replacement
+            logger.debug("announcing %s failed", distribution, exc_info=True)
+
     def _log_patched(self, distribution: str) -> None:
+        """At patch time: DEBUG only where a replacement announces its first call (or the adapter announces itself:
+        :data:`SELF_ANNOUNCING`); a transaction with nothing callable to watch (repairs only) is announced now."""
         with self._lock:
             state = self._state.get(distribution)
-            if state is None or distribution in self._logged:
+            if state is None:
                 return
-            self._logged.add(distribution)
-            lines = state.applied.lines()
-        logger.info(
-            "patched %s %s (policy %s, activated by %s): %s",
-            distribution,
-            state.version,
-            state.applied.policy.name,
-            state.activated_by,
-            "; ".join(line.split(" -> ")[0] for line in lines) or "nothing to replace",
-        )
+            watched = bool(state.applied.pending) or any(
+                getattr(rec.new, _ANNOUNCER, False) for rec in state.applied.bound
+            )
+            line = self._patched_line(distribution, state)
+        if self.key in SELF_ANNOUNCING or watched:
+            logger.debug("%s (logged at INFO when first used)", line)
+        else:
+            self._announce(distribution)
+
+
+_ANNOUNCER = "__fsdp_compat_announcer__"
+
+
+def _announce_on_first_call(new: Any, announce: Callable[[], None]) -> Any:
+    """``new`` (a replacement) wrapped to call ``announce`` before its first call; anything but a plain function is
+    returned as it is. The wrapper looks like ``new`` (name, marks, ``__wrapped__``: the framework's original)."""
+    if not isinstance(new, types.FunctionType):
+        return new
+    called: list[bool] = []
+
+    @functools.wraps(new)
+    def first_call(*args: Any, **kwargs: Any) -> Any:
+        if not called:
+            called.append(True)
+            announce()
+        return new(*args, **kwargs)
+
+    first_call.__wrapped__ = getattr(new, "__wrapped__", new)  # type: ignore[attr-defined]
+    setattr(first_call, _ANNOUNCER, True)
+    return first_call
 
 
 # ------------------------------------------------------------------------------------------------- activation

@@ -31,7 +31,7 @@ from packaging.version import InvalidVersion, Version
 
 from fsdp_compat import switches
 
-__all__ = ["DATA", "Verdict", "compute", "judge", "locate", "main", "recorded", "targets_of"]
+__all__ = ["DATA", "Verdict", "compute", "judge", "locate", "main", "matching", "recorded", "release", "targets_of"]
 
 #: The recorded fingerprints: {distribution: {version: {"module:name": {"code", "signature", "importers", "watched"}}}}
 DATA = Path(__file__).with_name("fingerprints.json")
@@ -318,6 +318,22 @@ def recorded(distribution: str, path: Path | None = None) -> dict[str, dict[str,
     return dict(load(path).get(distribution, {}))
 
 
+def release(raw: str) -> str:
+    """The release a version string names, without its local suffix (``2.13.0+cpu`` and ``2.13.0+cu128`` are one
+    release, ``2.13.0``: a local build of the same source). A string that is not a version is kept as it is."""
+    try:
+        return Version(raw).public
+    except InvalidVersion:
+        return raw
+
+
+def matching(distribution: str, now: dict[str, dict[str, Any]], data: dict[str, Any] | None = None) -> list[str]:
+    """The recorded releases of ``distribution`` whose fingerprints equal ``now``: the code decides, not the version
+    string (an unrecorded release over recorded code, a local build of a recorded one)."""
+    releases = (load() if data is None else data).get(distribution, {})
+    return [raw for raw, before in releases.items() if not differences(before, now)]
+
+
 def write(data: dict[str, Any], path: Path | None = None) -> None:
     where = Path(path or DATA)
     where.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
@@ -428,6 +444,26 @@ def _installed_rows(names: Sequence[str]) -> list[tuple[str, str, list[Target]]]
     return rows
 
 
+def _closest(releases: dict[str, Any], raw: str) -> str | None:
+    """The recorded release to name differences against: the same release, else the newest one not newer than
+    ``raw``, else the oldest."""
+    known = sorted((Version(v), v) for v in releases if _is_version(v))
+    if not known:
+        return None
+    version = Version(raw)
+    same = [v for parsed, v in known if parsed.public == version.public]
+    older = [v for parsed, v in known if parsed <= version]
+    return (same or older or [known[0][1]])[-1]
+
+
+def _is_version(raw: str) -> bool:
+    try:
+        Version(raw)
+    except InvalidVersion:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fsdp_compat.fingerprints record|check|show [DISTRIBUTION ...] [--file PATH]``."""
     import argparse
@@ -448,17 +484,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = 0
     for distribution, raw, targets in rows:
         now = compute(targets)
+        releases = data.setdefault(distribution, {}) if args.command == "record" else data.get(distribution, {})
         if args.command == "record":
-            data.setdefault(distribution, {})[raw] = now
-            print(f"recorded {distribution} {raw}: " + ", ".join(f"{k} {v['code']}" for k, v in now.items()))
+            for old in [v for v in releases if v != release(raw) and release(v) == release(raw)]:
+                del releases[old]  # recorded from another local build of the same release
+            releases[release(raw)] = now
+            print(f"recorded {distribution} {release(raw)}: " + ", ".join(f"{k} {v['code']}" for k, v in now.items()))
             continue
-        before = data.get(distribution, {}).get(raw)
-        if before is None and not args.distributions and distribution not in data:
+        if not releases and not args.distributions:
             print(f"{distribution} {raw}: no fingerprint recorded for any release (not checked)")
             continue
-        changes = ["not recorded"] if before is None else differences(before, now)
-        failed += bool(changes)
-        print(f"{distribution} {raw}: " + ("; ".join(changes) if changes else "matches the recorded fingerprint"))
+        same = matching(distribution, now, data)
+        if same:
+            print(f"{distribution} {raw}: matches the fingerprint recorded for {', '.join(sorted(same, key=Version))}")
+            continue
+        failed += 1
+        basis = _closest(releases, raw)
+        changes = differences(releases[basis], now) if basis is not None else ["not recorded"]
+        print(f"{distribution} {raw}: " + (f"differs from {basis}: " if basis else "") + "; ".join(changes))
     if args.command == "record":
         write(data, args.file)
     return 1 if failed else 0

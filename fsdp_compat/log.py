@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 from fsdp_compat import switches
 
-__all__ = ["PREFIX", "logger"]
+__all__ = ["PREFIX", "announce_once", "announced", "logger", "reset_announcement"]
 
 PREFIX = switches.PREFIX
 logger = logging.getLogger("fsdp_compat")
@@ -52,3 +53,39 @@ def _setup_logger() -> None:
 
 
 _setup_logger()
+
+# ------------------------------------------------------------------------------------------ the one INFO line
+
+_announcement: list[tuple[str, tuple[object, ...]]] = []  # this process's INFO line, once it was logged
+_announcement_lock = threading.Lock()
+
+
+def announce_once(message: str, *args: object) -> bool:
+    """Log what fsdp-compat changed that the job now uses, as this process's one INFO line.
+
+    The first call in a process logs ``message % args`` at INFO (``fsdp-compat: patched ...``; dropped under
+    ``FSDP_COMPAT_LOG=quiet``) and returns True; every later call logs at DEBUG only and returns False, so a process
+    prints at most one such line, however many adapters and FSDP2 roots it has. Callers announce when their change
+    is first *used* (an adapter's replacement is first called, the generic layer installs its run-time layer on a
+    root), never when a module is merely imported. Thread-safe; never raises (logging reports a bad format)."""
+    with _announcement_lock:
+        first = not _announcement
+        if first:
+            _announcement.append((message, args))
+    logger.log(logging.INFO if first else logging.DEBUG, message, *args)
+    return first
+
+
+def announced() -> str | None:
+    """This process's INFO line (without the prefix), or None while nothing was announced."""
+    with _announcement_lock:
+        if not _announcement:
+            return None
+        message, args = _announcement[0]
+    return message % args if args else message
+
+
+def reset_announcement() -> None:
+    """Forget the announcement (tests that check the line in one process, one after another)."""
+    with _announcement_lock:
+        _announcement.clear()

@@ -25,7 +25,7 @@ from lab.fakes import (
 )
 from packaging.version import Version
 
-from fsdp_compat import _autoload, activation
+from fsdp_compat import _autoload, activation, log
 from fsdp_compat.activation import (
     Adapter,
     FsdpCompatWarning,
@@ -182,38 +182,94 @@ def test_bad_policy_env_is_refused_before_patching(
     assert utils.fn is fn
 
 
-def test_logs_once_what_was_patched(fw: FakeFramework, caplog: Any) -> None:
+@pytest.fixture
+def announcement() -> Any:
+    """A process with no ``fsdp-compat: patched ...`` line yet (the line is once per process)."""
+    log.reset_announcement()
+    yield
+    log.reset_announcement()
+
+
+def test_logs_what_was_patched_once_when_first_used(fw: FakeFramework, caplog: Any, announcement: None) -> None:
+    """Patching logs no INFO line: the job has not used anything yet. The replacement's first call logs one, naming
+    what is installed; later calls, a second patch() and a re-patch after unpatch() log none."""
     adapter = FakeAdapter(fw)
+    imp0 = fw.mod("imp0")
     with caplog.at_level(logging.INFO, logger="fsdp_compat"):
         adapter.patch(activated_by="pth-hook")
         adapter.patch()
+        assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+        assert imp0.call(1) == ("patched", ("orig", 1)) and imp0.call(2) == ("patched", ("orig", 2))
         adapter.unpatch()
         adapter.patch()
-    records = [r for r in caplog.records if r.levelno == logging.INFO and "patched fakefw" in r.getMessage()]
-    assert len(records) == 1
-    assert (
-        f"patched fakefw 1.5 (policy auto, activated by pth-hook): {fw.pkg}.utils.fn"
-        in records[0].getMessage()
-    )
+        assert imp0.call(3) == ("patched", ("orig", 3))
+    records = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert [r.getMessage() for r in records] == [
+        f"fsdp-compat: patched fakefw 1.5 (policy auto, activated by pth-hook): {fw.pkg}.utils.fn; {fw.pkg}.imp0.fn"
+    ]
+    assert log.announced() == records[0].getMessage().removeprefix("fsdp-compat: ")
     adapter.unpatch()
+
+
+def test_the_first_use_wrapper_looks_like_the_replacement(fw: FakeFramework, announcement: None) -> None:
+    """What the framework and unpatch() see: the replacement's name and marks, ``__wrapped__`` the original."""
+    original = fw.mod("utils").fn
+    adapter = FakeAdapter(fw)
+    adapter.patch()
+    try:
+        bound = fw.mod("utils").fn
+        assert bound is not original and bound.__name__ == original.__name__
+        assert bound.__wrapped__ is original and fw.mod("imp0").fn is bound
+    finally:
+        adapter.unpatch()
+    assert fw.mod("utils").fn is original and fw.mod("imp0").fn is original
+
+
+def test_one_info_line_per_process_whatever_is_used(tmp_path: Path, caplog: Any, announcement: None) -> None:
+    """Two adapters' replacements used in one process: the first use is the process's INFO line, the second is
+    DEBUG only (``fsdp_compat.log.announce_once``)."""
+    sys.path.insert(0, str(tmp_path))
+    first, second = FakeFramework(tmp_path), FakeFramework(tmp_path)
+    adapters = [FakeAdapter(first), FakeAdapter(second)]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="fsdp_compat"):
+            assert all(a.patch() for a in adapters)
+            assert second.mod("imp0").call(1) == ("patched", ("orig", 1))
+            assert first.mod("imp0").call(1) == ("patched", ("orig", 1))
+        used = [r for r in caplog.records if r.getMessage().startswith("fsdp-compat: patched fakefw 1.5 (policy")]
+        info = [r.getMessage() for r in used if r.levelno == logging.INFO]
+        debug = [r.getMessage() for r in used if r.levelno == logging.DEBUG and "when first used" not in r.getMessage()]
+        assert len(info) == 1 and f"{second.pkg}.utils.fn" in info[0], info
+        assert len(debug) == 1 and f"{first.pkg}.utils.fn" in debug[0], debug
+    finally:
+        for adapter in adapters:
+            adapter.unpatch()
+        first.cleanup()
+        second.cleanup()
+        sys.path.remove(str(tmp_path))
 
 
 def test_default_handler_prints_to_stderr_once_and_quiet_silences(fw: FakeFramework) -> None:
     adapter_module = _fake_adapter_module(fw)
-    code = f"""
+    imported = f"""
         import {adapter_module} as a
         import {fw.pkg}.imp0 as imp0
         assert a.is_patched(), "not patched"
+    """
+    code = imported + """
+        assert imp0.call(1) == ("patched", ("orig", 1))
         a.patch(); a.unpatch(); a.patch()
         assert imp0.call(1) == ("patched", ("orig", 1))
     """
+    only_imported = _run(imported, path=fw.root)
+    assert only_imported.returncode == 0 and "fsdp-compat" not in only_imported.stderr, only_imported.stderr
     done = _run(code, path=fw.root)
     assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stderr.splitlines() if "patched fakefw" in line]
+    lines = [line for line in done.stderr.splitlines() if "fsdp-compat" in line]
     assert len(lines) == 1 and "INFO" in lines[0] and "activated by import" in lines[0], done.stderr
     assert lines[0].startswith("fsdp-compat: patched fakefw 1.0"), lines
     quiet = _run(code, env={"FSDP_COMPAT_LOG": "quiet"}, path=fw.root)
-    assert quiet.returncode == 0 and "patched fakefw" not in quiet.stderr, quiet.stderr
+    assert quiet.returncode == 0 and "fsdp-compat" not in quiet.stderr, quiet.stderr
     # an application with its own logging config sees the record once, through its handler, package named
     configured = _run(
         "import logging; logging.basicConfig(format='APP %(message)s')\n" + textwrap.dedent(code),
@@ -260,23 +316,26 @@ class TwoDistributions(Adapter):
 
 
 @pytest.mark.parametrize("order", ["a-first", "b-first"])
-def test_each_distribution_is_patched_when_its_trigger_loads(tmp_path: Path, caplog: Any, order: str) -> None:
+def test_each_distribution_is_patched_when_its_trigger_loads(
+    tmp_path: Path, caplog: Any, order: str, announcement: None
+) -> None:
     sys.path.insert(0, str(tmp_path))
     first, second = FakeFramework(tmp_path), FakeFramework(tmp_path)
     adapter = TwoDistributions(first, second)
     try:
-        with caplog.at_level(logging.INFO, logger="fsdp_compat"):
+        with caplog.at_level(logging.DEBUG, logger="fsdp_compat"):
             activate_on_import(adapter, source="import")
             assert not adapter.is_patched()
             frameworks = [first, second] if order == "a-first" else [second, first]
             frameworks[0].mod("imp0")
             assert adapter.is_patched() and len(adapter.patched()) == 1
             frameworks[1].mod("imp0")
-        assert set(adapter.patched()) == {"fw-a", "fw-b"}
-        for f in (first, second):
-            assert f.mod("imp0").call(1) == ("patched", ("orig", 1)), f.pkg
-        logged = [r.getMessage() for r in caplog.records if "patched fw-" in r.getMessage()]
-        assert len(logged) == 2 and {m.split()[2] for m in logged} == {"fw-a", "fw-b"}, logged
+            assert set(adapter.patched()) == {"fw-a", "fw-b"}
+            for f in (first, second):
+                assert f.mod("imp0").call(1) == ("patched", ("orig", 1)), f.pkg
+        logged = [r for r in caplog.records if "patched fw-" in r.getMessage() and "first used" not in r.getMessage()]
+        assert {r.getMessage().split()[2] for r in logged} == {"fw-a", "fw-b"}, logged  # each when first used
+        assert [r.levelno for r in logged] == [logging.INFO, logging.DEBUG], logged  # one INFO line per process
         adapter.unpatch()
         assert first.mod("imp0").call(1) == ("orig", 1) and second.mod("imp0").call(1) == ("orig", 1)
     finally:

@@ -27,7 +27,7 @@ from lab.fakes import FakeFramework, _fake_adapter_module, _run, tag
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from fsdp_compat import fingerprints
+from fsdp_compat import fingerprints, log
 from fsdp_compat.activation import Adapter, FsdpCompatWarning, Release, Replacement
 from fsdp_compat.policies import Auto, Policy
 
@@ -160,21 +160,27 @@ def test_locating_a_module_imports_nothing(fw: FakeFramework) -> None:
 
 
 def test_newer_release_over_unchanged_code_is_patched_and_says_so(fw: FakeFramework, data: Path, caplog: Any) -> None:
+    """Patched with no warning; the one INFO line comes when the replacement is first used and says both why
+    (unchanged from 1.5, by fingerprint) and what is installed."""
     _record(fw, "1.5", data)
+    log.reset_announcement()
     with caplog.at_level(logging.INFO, logger="fsdp_compat"), warnings.catch_warnings():
         warnings.simplefilter("error", FsdpCompatWarning)  # no warning: this is the supported path
         adapter = _adapter(fw, "2.1")
         assert adapter.patch()
-    try:
-        assert importlib.import_module(fw.importer_names[0]).call(3) == ("patched", ("orig", 3))
-        assert adapter.patched()["fakefw"][0] == Version("2.1")
-        lines = [r.getMessage() for r in caplog.records if "newer than the tested range" in r.getMessage()]
-        assert lines == [
-            f"fsdp-compat: fakefw 2.1 is newer than the tested range (fakefw {SPEC}); what fsdp-compat replaces is "
-            "unchanged from 1.5 (fingerprint), patched"
-        ]
-    finally:
-        adapter.unpatch()
+        assert [r for r in caplog.records if r.levelno >= logging.INFO] == []  # nothing used yet
+        try:
+            assert importlib.import_module(fw.importer_names[0]).call(3) == ("patched", ("orig", 3))
+            assert adapter.patched()["fakefw"][0] == Version("2.1")
+        finally:
+            adapter.unpatch()
+            log.reset_announcement()
+    lines = [r.getMessage() for r in caplog.records if "newer than the tested range" in r.getMessage()]
+    assert lines == [
+        f"fsdp-compat: fakefw 2.1 is newer than the tested range (fakefw {SPEC}); what fsdp-compat replaces is "
+        f"unchanged from 1.5 (fingerprint), patched (policy auto, activated by explicit): {fw.pkg}.utils.fn; "
+        f"{fw.importer_names[0]}.fn"  # the importers loaded when it was first used
+    ]
     assert fw.mod("utils").fn(1) == ("orig", 1)
 
 
@@ -310,6 +316,62 @@ def test_record_and_check_commands(fw: FakeFramework, data: Path, tmp_path: Path
         sys.modules.pop(f"{fw.pkg}_adapter", None)
 
 
+def test_check_judges_by_code_not_by_the_version_string(
+    fw: FakeFramework, data: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """A local build's suffix names no other release: ``record`` on 1.5+cu128 replaces the entry of 1.5+cpu by one of
+    1.5. ``check`` on a release nobody recorded (1.7) passes where its code equals a recorded one, and fails, naming
+    what differs from the closest recorded release, where it does not."""
+    _fake_adapter_module(fw)
+    out = tmp_path / "out.json"
+    try:
+        _dist_info(tmp_path, "1.5+cpu")
+        fingerprints.write({}, out)
+        assert fingerprints.main(["record", "fakefw", "--file", str(out)]) == 0
+        assert list(fingerprints.load(out)["fakefw"]) == ["1.5"]
+        fingerprints.write({"fakefw": {"1.5+cpu": fingerprints.load(out)["fakefw"]["1.5"]}}, out)
+        _dist_info(tmp_path, "1.5+cu128")
+        assert fingerprints.main(["check", "fakefw", "--file", str(out)]) == 0
+        assert "fakefw 1.5+cu128: matches the fingerprint recorded for 1.5+cpu" in capsys.readouterr().out
+        assert fingerprints.main(["record", "fakefw", "--file", str(out)]) == 0
+        assert list(fingerprints.load(out)["fakefw"]) == ["1.5"]
+        _dist_info(tmp_path, "1.7")
+        assert fingerprints.main(["check", "fakefw", "--file", str(out)]) == 0
+        assert "fakefw 1.7: matches the fingerprint recorded for 1.5" in capsys.readouterr().out
+        _rewrite(fw, "utils", "calls = []\ndef fn(x):\n    return ('orig', x, 2)\n")
+        assert fingerprints.main(["check", "fakefw", "--file", str(out)]) == 1
+        assert "fakefw 1.7: differs from 1.5: " in capsys.readouterr().out
+    finally:
+        ADAPTERS.pop("fake", None)
+        sys.modules.pop(f"{fw.pkg}_adapter", None)
+
+
+def test_check_torch_on_a_newer_torch_over_the_same_code(tmp_path: Path) -> None:
+    """The generic layer's torch row: ``check torch`` on a torch reporting 2.15.0 (a dist-info first on the path,
+    over the installed code) matches the recorded fingerprint instead of failing with "not recorded"."""
+    info = tmp_path / "torch-2.15.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.15.0\n")
+    done = _run(
+        "import sys; from importlib import metadata; from fsdp_compat.fingerprints import main\n"
+        "assert metadata.version('torch') == '2.15.0', metadata.version('torch')\n"
+        "sys.exit(main(['check', 'torch']))",
+        path=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    recorded = ", ".join(sorted(fingerprints.recorded("torch"), key=Version))
+    assert f"torch 2.15.0: matches the fingerprint recorded for {recorded}" in done.stdout, done.stdout
+
+
+def test_release_drops_the_local_suffix_only() -> None:
+    assert [fingerprints.release(v) for v in ("2.13.0+cpu", "2.13.0", "0.10.0.dev3+g1", "nonsense")] == [
+        "2.13.0",
+        "2.13.0",
+        "0.10.0.dev3",
+        "nonsense",
+    ]
+
+
 def test_record_command_runs_as_a_module() -> None:
     done = _run("import sys; from fsdp_compat.fingerprints import main; sys.exit(main(['show']))")
     assert done.returncode == 0, done.stderr
@@ -343,14 +405,14 @@ def test_data_file_agrees_with_the_release_tables() -> None:
 
 
 def _installed_recorded() -> list[tuple[str, str]]:
+    """(distribution, recorded release) for every installed release with a record (a local build's suffix aside)."""
     found = []
     for distribution, releases in fingerprints.load().items():
         try:
             raw = metadata.version(distribution)
         except metadata.PackageNotFoundError:
             continue
-        if raw in releases:
-            found.append((distribution, raw))
+        found += [(distribution, v) for v in releases if fingerprints.release(v) == fingerprints.release(raw)]
     return found
 
 
