@@ -135,14 +135,20 @@ def _first_step_checks(
 
 def _checkpoint(cfg: dict[str, Any], rank: int, mesh: Any, scale: float, out: dict[str, Any]) -> tuple[Diff, Diff]:
     """transformers' ``gradient_checkpointing_enable`` (``cfg["reentrant"]``: ``use_reentrant``) before sharding;
-    the reference is the same weights, one process, no checkpointing (it changes no number). Counts the forwards
-    of the first text layer and vision block: 2 per step when checkpointed (the forward and its recomputation)."""
+    the reference is the same weights, one process, no checkpointing (it changes no number). Counts how often the
+    first text layer's and vision block's computation runs: a forward pre-hook on each submodule the block calls,
+    2 per step when checkpointed (the forward and its recomputation). Not a hook on the block itself: where
+    transformers puts the checkpoint (the block's ``__call__`` on 5.10.4, its ``forward`` on 5.25.0) decides
+    whether the block's own hooks see the recomputation; its submodules are called by its forward either way."""
     model = build_model(cfg["model"], seed=cfg["seed"])
     reference = copy.deepcopy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg["reentrant"]})
-    calls = {"text_layer": 0, "vision_block": 0}
-    for key, module in (("text_layer", model.get_decoder().layers[0]), ("vision_block", model.model.visual.blocks[0])):
-        module.register_forward_pre_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+    calls: dict[str, dict[str, int]] = {"text_layer": {}, "vision_block": {}}
+    for key, block in (("text_layer", model.get_decoder().layers[0]), ("vision_block", model.model.visual.blocks[0])):
+        for name, child in block.named_children():
+            child.register_forward_pre_hook(
+                lambda *_, seen=calls[key], name=name: seen.__setitem__(name, seen.get(name, 0) + 1)
+            )
     out["plan"] = core_auto(model, {"mesh": mesh})
     batches = rank_batches(cfg, torch.device("cpu"))
     opts = _optimizer(model), _optimizer(reference)
@@ -152,7 +158,7 @@ def _checkpoint(cfg: dict[str, Any], rank: int, mesh: Any, scale: float, out: di
         step = twin_step(model, reference, opts, batches, rank, diffs, scale=scale)
         out["losses"].append(float(step.loss.detach()))
         out["reference_losses"].append(float(step.ref_losses[rank]))
-    out["forwards_per_step"] = {key: n / cfg["steps"] for key, n in calls.items()}
+    out["runs_per_step"] = {key: {name: n / cfg["steps"] for name, n in seen.items()} for key, seen in calls.items()}
     out["mixed_batches"] = runtime_counters(model)["mixed_batches"]
     return diffs
 
