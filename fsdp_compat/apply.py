@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_compat.plan import LayerClasses, WrapPlan, plan_wrap
-from fsdp_compat.policies import Policy
+from fsdp_compat.policies import Policy, resolve_policy
 
 
 def apply_fsdp2(
@@ -22,8 +22,9 @@ def apply_fsdp2(
 
     Every group gets ``fsdp_kwargs`` plus its own overrides (e.g. ``reshard_after_forward=False``). Groups are applied
     children first, whatever the policy, because ``fully_shard(parent)`` before ``fully_shard(child)`` fails. The
-    run-time layer (:func:`fsdp_compat.runtime.install_runtime`: the guard, ``FSDP_COMPAT_GUARD=off`` disables it, and
-    the mixed micro-batch alignment) is installed on ``model``. A bad switch value raises before anything is sharded.
+    run-time layer (:func:`fsdp_compat.runtime.install_runtime`: the guard, ``FSDP_COMPAT_GUARD=off`` disables it, its
+    per-op check off where the policy's analysis made the plan, and the mixed micro-batch alignment) is installed on
+    ``model``. A bad switch value raises before anything is sharded.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -36,5 +37,7 @@ def apply_fsdp2(
         target: nn.Module | list[nn.Module] = list(group.modules) if len(group.modules) > 1 else group.modules[0]
         fully_shard(target, **{**kwargs, **group.overrides})
     fully_shard(model, **kwargs)
-    install_runtime(model)
+    # fsdp-compat's own plan keeps every read inside its group's window: the guard's per-op check runs only where
+    # the policy skipped the analysis (legacy & co)
+    install_runtime(model, armed=not resolve_policy(policy).analyzed)
     return plan

@@ -13,19 +13,26 @@ bound (``from torch.distributed.fsdp import fully_shard`` before or after fsdp-c
 checks the method and the state fields it reads). Wrapping the public ``fully_shard`` instead would miss every
 module that bound it before the wrap, and could not tell the root from an inner group at wrap time.
 
+**At the start of every pass** (the state becomes FSDP2's ``iter_forward_root``) the root's forward window opens
+(:mod:`fsdp_compat.runtime.window`), for ``forward`` and for registered forward methods alike.
+
 **At a new root** (once per root, rank-independent, so every rank decides the same):
-1. nothing, if an adapter's applier already installed the run-time layer on it (nothing is installed twice), or if
-   the root is the only group (unsharded for the whole forward: nothing to check, guard or align);
+1. nothing more, if an adapter's applier already installed the run-time layer on it (nothing is installed twice);
 2. the groups somebody made are checked against the static evidence of the model's code
    (:mod:`fsdp_compat.group_check`; read after sharding: FSDP2's own hooks are its window, not a read). One
    WARNING (rank 0) per group that can be read while sharded, naming the read and the fix;
-3. :func:`fsdp_compat.runtime.install_runtime` on the root: the guard is *armed* (its per-op check runs) only where
-   the check could not rule a sharded read out (an unsafe group, an analysis that could not run, a policy that
-   skips the analysis); a safe grouping costs no per-op check. Mixed micro-batch alignment as everywhere;
-4. the hooks it just registered run for this first forward too (FSDP2's pre-hook has already started it).
+3. :func:`fsdp_compat.runtime.install_runtime` on the root, also where the root is the only group (its backward
+   reduce-scatter covers only the parameters that got a gradient, so ranks that differ in images need the
+   alignment there too): the guard is *armed* (its per-op check runs) only where the check could not rule a sharded
+   read out (:mod:`fsdp_compat.runtime.arming`); a safe grouping costs no per-op check;
+4. the window opens, and where the pass came through the module's ``__call__`` the pre-hooks just registered run
+   for this forward too (FSDP2's pre-hook has already started it); a registered forward method runs no module hook.
 
-Never breaks a job: any failure here warns once and leaves FSDP2 as it was. ``FSDP_COMPAT_GENERIC=off`` turns the
-layer off (read at each new root); ``FSDP_COMPAT=off`` keeps it from being installed at all. Declared like an
+Errors: a bad switch value raises on every rank before any collective; fsdp-compat's own failure to install warns
+once and leaves nothing installed (FSDP2 then does run as without it); an error the run-time layer raises to
+prevent a hang (mixed micro-batches it cannot align) reaches the user on every rank.
+``FSDP_COMPAT_GENERIC=off`` turns the layer off (read at each new root); ``FSDP_COMPAT=off`` keeps it from being
+installed at all. Declared like an
 adapter (``adapters/fsdp2.py``: torch's row in the index), so ``fsdp-compat doctor`` shows it.
 """
 
@@ -37,6 +44,10 @@ from typing import Any
 
 from fsdp_compat import switches
 from fsdp_compat.policies import Policy
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from fsdp_compat.runtime.arming import Arming
 
 __all__ = ["ROOT_PRE_FORWARD", "generic_enabled", "make_root_pre_forward"]
 
@@ -50,15 +61,23 @@ def generic_enabled() -> bool:
 
 
 def make_root_pre_forward(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-    """FSDP2's ``FSDPState._root_pre_forward(self, module, args, kwargs)``, unchanged, plus the run-time layer on
-    the root the first time a state runs it as the root."""
+    """FSDP2's ``FSDPState._root_pre_forward(self, module, args, kwargs)``, unchanged, plus, where it starts a pass
+    (the state becomes ``iter_forward_root``): the run-time layer on a new root, and the root's forward window
+    opened (:mod:`.window`)."""
 
     @functools.wraps(original)
     def _root_pre_forward(self: Any, module: Any, *rest: Any, **kw: Any) -> Any:
         fresh = getattr(self, "_is_root", False) is None  # the root is decided in this call
+        context = getattr(self, "_state_ctx", None)
+        before = getattr(context, "iter_forward_root", None)
         result = original(self, module, *rest, **kw)
+        if before is not None or getattr(context, "iter_forward_root", None) is not self:
+            return result  # not the start of a pass
+        from fsdp_compat.runtime.window import root_pre_forward_done  # torch is loaded by now
+
         if fresh and getattr(self, "_is_root", False) is True:
-            result = _on_new_root(self, result, policy)
+            return _on_new_root(self, result, policy)
+        root_pre_forward_done(self, module)
         return result
 
     _root_pre_forward.__fsdp_compat__ = True  # type: ignore[attr-defined]
@@ -66,68 +85,61 @@ def make_root_pre_forward(original: Callable[..., Any], policy: Policy) -> Calla
 
 
 def _on_new_root(state: Any, result: Any, policy: Policy) -> Any:
-    """Install the run-time layer on ``state``'s module and run its pre-hooks for this forward; never raises."""
-    try:
-        if not generic_enabled():
-            return result
-        modules = tuple(getattr(state, "_modules", ()))
-        if len(modules) != 1:
-            return result  # FSDP2 itself refuses a root of several modules
-        root = modules[0]
-        from fsdp_compat.runtime import install_runtime, runtime_installed
+    """Install the run-time layer on ``state``'s module, open its window and, where the pass came through the
+    module's ``__call__``, run the pre-hooks it just registered for this forward.
 
-        if runtime_installed(root) or not _has_inner_groups(root):
-            return result  # installed already; or one group for the whole model: nothing is ever sharded in forward
+    What may fail here and how: a bad switch value raises (:func:`~fsdp_compat.runtime.check_runtime_switches`, the
+    same error on every rank, before any collective); fsdp-compat's own failure to install warns once, and then
+    nothing of it stays installed (installing is all or nothing), so FSDP2 does run as without it; an error the
+    run-time layer raises in this forward (the mixed micro-batch error that prevents a hang) reaches the user, as in
+    every later forward."""
+    if not generic_enabled():
+        return result
+    modules = tuple(getattr(state, "_modules", ()))
+    if len(modules) != 1:
+        return result  # FSDP2 itself refuses a root of several modules
+    root = modules[0]
+    from fsdp_compat.runtime import check_runtime_switches, install_runtime, runtime_installed
+    from fsdp_compat.runtime.window import from_module_call, root_pre_forward_done
+
+    if runtime_installed(root):  # an adapter's applier installed it already: only the window is opened
+        root_pre_forward_done(state, root)
+        return result
+    check_runtime_switches()
+    before = set(root._forward_pre_hooks)
+    try:
         from fsdp_compat.runtime.guard import guard_of
 
-        # A caller that installed the guard itself (armed) has made its choice: only what is missing is added.
-        armed = True if guard_of(root) is not None else _check(root, policy)
-        before = set(root._forward_pre_hooks)
-        install_runtime(root, armed=armed)
-        args, kwargs = result
-        return _run_new_pre_hooks(root, before, args, kwargs)
+        if guard_of(root) is not None:  # the caller installed the guard itself: its choice, only the rest is added
+            install_runtime(root)
+        else:
+            verdict = _check(root, policy)
+            _announce(root, install_runtime(root, armed=verdict.armed), verdict)
     except Exception as exc:  # a drop-in never turns a working job into a crash
         _warn_once(
             f"{type(exc).__name__}: {exc}",
             f"generic layer: the run-time layer could not be installed on an FSDP2 root ({type(exc).__name__}: "
-            f"{exc}); FSDP2 runs as without fsdp-compat",
+            f"{exc}); nothing of it was installed, FSDP2 runs as without fsdp-compat",
         )
         return result
+    root_pre_forward_done(state, root)
+    if not from_module_call():
+        return result  # a registered forward method: no module hook runs in this pass
+    args, kwargs = result
+    return _run_new_pre_hooks(root, before, args, kwargs)
 
 
-def _has_inner_groups(root: Any) -> bool:
-    """Whether ``fully_shard`` was applied below the root too (a root group alone is unsharded for the whole
-    forward: no read can find it sharded and every rank all-gathers it the same way)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in root.modules() if m is not root)
-
-
-def _check(root: Any, policy: Policy) -> bool:
-    """Check the groups below ``root`` and log the verdict (rank 0); returns whether the guard must be armed."""
-    from fsdp_compat.group_check import evidence, is_rank_zero, sharded_groups, unsafe_groups
+def _check(root: Any, policy: Policy) -> Arming:
+    """Check the groups below ``root`` and warn (rank 0) about each unsafe one; the verdict says whether the guard
+    must be armed (:mod:`fsdp_compat.runtime.arming`)."""
+    from fsdp_compat.group_check import is_rank_zero
     from fsdp_compat.log import logger
-    if not policy.analyzed:
-        return True  # legacy & co: no analysis, so nothing is ruled out
+    from fsdp_compat.runtime.arming import decide
+
+    verdict = decide(root, policy)
     name = type(root).__name__.removeprefix("FSDP")
-    unsafe = unsafe_groups("fully_shard", root, evidence("fully_shard", root))
-    if unsafe is None:
-        return True
     if is_rank_zero():
-        if not unsafe:
-            guard = (
-                "run-time guard installed (its per-op check off: no read to catch)"
-                if switches.flag(switches.GUARD, True)
-                else f"run-time guard off ({switches.GUARD})"
-            )
-            logger.info(
-                "generic layer: %s: its %d FSDP2 groups pass fsdp-compat's safety check; %s, mixed micro-batch "
-                "alignment installed",
-                name,
-                len(sharded_groups(root)),
-                guard,
-            )
-        for group, why in unsafe:
+        for group, why in verdict.unsafe:
             logger.warning(
                 "generic layer: %s: the FSDP2 group %s can be read while sharded: %s. fsdp-compat's run-time guard "
                 "unshards it at that read (one more all-gather; the group then stays unsharded until the end of "
@@ -138,7 +150,31 @@ def _check(root: Any, policy: Policy) -> bool:
                 why,
                 group,
             )
-    return bool(unsafe)
+    return verdict
+
+
+def _announce(root: Any, runtime: Any, verdict: Arming) -> None:
+    """The process's one ``fsdp-compat: ...`` INFO line (:func:`fsdp_compat.log.announce_once`), where the layer
+    changes what this job runs: the guard's per-op check armed, or mixed micro-batch alignment installed. A root
+    whose groups pass the check and that has nothing to align gets a DEBUG line only (nothing of the run changes)."""
+    from fsdp_compat.group_check import sharded_groups
+    from fsdp_compat.log import announce_once, logger
+
+    if runtime.guard is not None:
+        runtime.guard.unsafe_groups = verdict.unsafe_names
+    name = type(root).__name__.removeprefix("FSDP")
+    groups = len(sharded_groups(root))
+    changes = []
+    if runtime.guard is not None and runtime.guard.armed:
+        changes.append("run-time guard armed (" + ("unsafe groups" if verdict.unsafe else "no check ran") + ")")
+    if runtime.mixed:
+        changes.append("mixed micro-batch alignment installed")
+    if changes:
+        announce_once("fsdp-compat: generic layer on FSDP2 root %s (%d groups below it): %s", name, groups,
+                      ", ".join(changes))  # fmt: skip
+    else:
+        logger.debug("fsdp-compat: generic layer: %s: its %d FSDP2 groups pass fsdp-compat's safety check; nothing "
+                     "to guard or align", name, groups)  # fmt: skip
 
 
 def _run_new_pre_hooks(root: Any, before: set[int], args: Any, kwargs: Any) -> tuple[Any, Any]:

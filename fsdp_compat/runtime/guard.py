@@ -33,7 +33,6 @@ import functools
 import itertools
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +44,9 @@ from torch.overrides import TorchFunctionMode
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.log import logger
-from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.process_world import PerWorld, job_timeout
 from fsdp_compat.runtime.torch_versions import GUARD_MIN_TORCH, guard_supports
+from fsdp_compat.runtime.window import param_groups
 from fsdp_compat.tree import ModuleTree
 from fsdp_compat.units import fmt_bytes as _fmt_bytes
 
@@ -77,9 +76,11 @@ _METADATA = frozenset(
 )
 
 # What an FSDP2 internal that moved or changed looks like to the guard (a collective's RuntimeError is not one).
-_INTERNALS_CHANGED = (AttributeError, TypeError, KeyError, IndexError, ValueError, AssertionError)
+# FSDP2's own assertions (AssertionError) and value checks are not on this list: they are the user's errors.
+_INTERNALS_CHANGED = (AttributeError, TypeError, KeyError, IndexError)
 
-_GUARDS: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+#: Where a model keeps its guard (``module.__dict__``): the module owns it, so it dies with the module.
+GUARD_ATTR = "_fsdp_compat_guard"
 # Guards in the order their groups are found: the same on every rank, counted per process group (a rank that joins a
 # new group after a restart starts at 0, and so must the survivors).
 _ORDINALS: PerWorld[Iterator[int]] = PerWorld(itertools.count)
@@ -107,14 +108,16 @@ def torch_supported(version: str | None = None) -> bool:
     return guard_supports(version or torch.__version__)
 
 
-def install_guard(model: nn.Module, *, armed: bool = True) -> Guard | None:
+def install_guard(model: nn.Module, *, armed: bool | None = None) -> Guard | None:
     """Guard ``model`` (the root that is, or will be, ``fully_shard``-ed); returns None when the guard is off, or on a
     torch older than :data:`MIN_TORCH` (one warning per process).
 
     Idempotent: a second call returns the same guard (armed if either call armed it). It may run before
     ``fully_shard`` (a framework selector that shards afterwards): the FSDP2 groups are found at the first forward.
-    ``armed=False``: the per-op check stays off (no ``TorchFunctionMode``, no per-op cost) until
-    :attr:`Guard.armed` is set; the generic layer uses it where its group check rules every sharded read out.
+    ``armed``: whether the per-op check runs (a ``TorchFunctionMode`` for the whole pass). ``None`` (the default)
+    decides at the first pass, from fsdp-compat's check of the groups (:mod:`.arming`): armed only where the check
+    cannot rule a sharded read out, so a safe grouping costs no per-op check. The guard lives on ``model`` (its
+    ``__dict__``) and dies with it; :meth:`Guard.remove` takes it off.
     """
     if not guard_enabled():
         return None
@@ -128,18 +131,19 @@ def install_guard(model: nn.Module, *, armed: bool = True) -> Guard | None:
                 torch.__version__,
             )
         return None
-    existing = _GUARDS.get(model)
-    if existing is not None and existing.installed:
-        existing.armed = existing.armed or armed
+    existing = guard_of(model)
+    if existing is not None:
+        if armed:
+            existing.armed = True
         return existing
     guard = Guard(model, armed=armed)
-    _GUARDS[model] = guard
+    model.__dict__[GUARD_ATTR] = guard
     return guard
 
 
 def guard_of(model: nn.Module) -> Guard | None:
     """The guard installed on ``model``, if any."""
-    guard = _GUARDS.get(model)
+    guard = model.__dict__.get(GUARD_ATTR)
     return guard if guard is not None and guard.installed else None
 
 
@@ -185,11 +189,16 @@ class _GuardMode(TorchFunctionMode):
 class Guard:
     """The run-time guard of one model; see the module docstring. ``events`` lists the groups it unsharded."""
 
-    def __init__(self, model: nn.Module, *, armed: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, armed: bool | None = None) -> None:
+        from fsdp_compat.runtime.window import subscribe
+
         self.model = model
-        #: False: no per-op check (a forward costs nothing); the hooks stay, so arming later takes effect at the
-        #: next forward.
+        #: False: no per-op check (a forward costs nothing); None: decided at the first pass (:mod:`.arming`).
+        #: Setting it takes effect at the next pass.
         self.armed = armed
+        #: The groups fsdp-compat's check found readable while sharded (module paths joined by " + "), where the
+        #: guard was armed by that check: under ``torch.compile`` of the whole root they are unsharded up front.
+        self.unsafe_groups: list[str] = []
         self.events: list[GuardEvent] = []
         self.unshards = 0  # run-time unshards so far (every step counts)
         self._mode = _GuardMode(self)
@@ -200,30 +209,27 @@ class Guard:
         self._pending: dict[Any, Any] = {}  # group -> its own post_forward_mesh_info, until the end of backward
         self._held_by_grad: set[Any] = set()  # groups pending when a no-grad forward began: its end leaves them
         self._logged: set[int] = set()
-        self._depth = 0
         self._entered = False
+        self._open = False
         self._grad = True
         self._in_final_callback = False
         self._broken = False
         self._ordinal = -1  # set when the groups are found
         self._forwards = 0  # guarded forwards so far (the same count on every rank)
         self._reads = 0  # run-time unshards in the current forward
-        self._agreed_keys: list[str] = []  # this rank's store keys of the previous forward (deleted at the next)
+        self._agreed: list[str] = []  # store keys of the last agreement this rank completed last (deleted later)
         self._reported = False  # this rank raised GuardReadMismatch itself
-        self._handles = [
-            model.register_forward_pre_hook(marked(self._pre_forward)),
-            model.register_forward_hook(marked(self._post_forward), always_call=True),
-        ]
+        self._unsubscribe: Callable[[], None] | None = subscribe(model, self)
 
     @property
     def installed(self) -> bool:
-        return bool(self._handles)
+        return self._unsubscribe is not None
 
     def remove(self) -> None:
-        """Take the hooks off and give FSDP2 back its own callbacks and settings (call it between steps)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Take the guard off its window and give FSDP2 back its own callbacks and settings (call it between steps)."""
+        unsubscribe, self._unsubscribe = self._unsubscribe, None
+        if unsubscribe is not None:
+            unsubscribe()
         self._safely(self._restore)
         for state, wrapper, previous in self._roots:
             if vars(state).get("_root_post_backward_final_callback") is wrapper:
@@ -232,13 +238,20 @@ class Guard:
                 else:
                     del state._root_post_backward_final_callback  # FSDP2's own method again
         self._roots = []
-        _GUARDS.pop(self.model, None)
+        if self.model.__dict__.get(GUARD_ATTR) is self:
+            del self.model.__dict__[GUARD_ATTR]
 
     # ---------------------------------------------------------------------------------------- forward window
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
-        if self._depth > 1 or self._broken or not self.armed:
+    def on_open(self) -> None:
+        """The root's FSDP2 pass starts (:mod:`.window`): arm the per-op check for the pass where it is armed."""
+        self._open = True
+        if self.armed is None:
+            from fsdp_compat.runtime.arming import decide
+
+            verdict = decide(self.model)
+            self.armed, self.unsafe_groups = verdict.armed, verdict.unsafe_names
+        if self._broken or not self.armed:
             return
         if not self._safely(self._prepare):
             return
@@ -246,23 +259,58 @@ class Guard:
         self._held_by_grad = set(self._pending) if not self._grad else set()
         self._forwards += 1
         self._reads = 0
+        if _under_compile(self.model):
+            self._safely(self._hold_unsafe_groups)
+            return  # Dynamo would trace a mode on the stack: no per-op check inside a compiled root
         self._mode.__enter__()
         self._entered = True
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._depth == 0:
+    def on_close(self, raised: bool) -> None:
+        """The root's FSDP2 pass ended (or raised)."""
+        if not self._open:
             return
-        self._depth -= 1
-        if self._depth or not self._entered:
-            return
-        self._entered = False
-        self._mode.__exit__(None, None, None)
-        if output is None:  # the forward raised: say so if another rank stopped at a read this rank did not make
+        self._open = False
+        if self._entered:
+            self._entered = False
+            self._mode.__exit__(None, None, None)
+        if raised:  # say so if another rank stopped at a read this rank did not make
             self._safely(self._report_peer_mismatch)
         if not self._grad and self._pending.keys() - self._held_by_grad:
             # No backward follows a no-grad forward: reshard what it unsharded, but not the groups a training
             # forward before it still holds for its own backward (an evaluation pass between forward and backward).
             self._safely(self._release, self._pending.keys() - self._held_by_grad)
+
+    def _hold_unsafe_groups(self) -> None:
+        """Under ``torch.compile`` of the whole root: unshard the groups the check found readable while sharded, on
+        every rank at the same point (the pass's start), and hold them to the end of backward as a read would; a
+        guard armed without such a list (its analysis could not run) raises, naming the fix."""
+        if not self.unsafe_groups:
+            raise FsdpCompatError(
+                f"fsdp-compat: run-time guard: {type(self.model).__name__} runs under torch.compile as a whole, and "
+                "fsdp-compat could not rule out a read of a sharded FSDP2 group in it (its analysis could not run, "
+                "or the policy skips it), so the guard's per-op check would have to run inside the compiled region, "
+                "where Dynamo cannot trace it. Fix: compile the blocks rather than the root (module.compile() per "
+                "block), shard with fsdp_compat.apply_fsdp2 (policy auto), or set FSDP_COMPAT_GUARD=off if you know "
+                "every read happens inside its group's own forward."
+            )
+        wanted = set(self.unsafe_groups)
+        for group in self._groups or ():
+            if self._group_name(group) in wanted and not group.is_unsharded:
+                self._hold(group)
+                group.unshard()
+                group.wait_for_unshard()
+                self.unshards += 1
+
+    def _group_name(self, group: Any) -> str:
+        return " + ".join(self._paths.get(id(m), "?") or "<root>" for m in group.modules)
+
+    def _hold(self, group: Any) -> None:
+        """Keep ``group`` unsharded until the end of this step's backward (FSDP2's root final callback)."""
+        if group in self._pending:
+            return
+        self._pending[group] = group.post_forward_mesh_info
+        group.post_forward_mesh_info = None  # = set_reshard_after_forward(False) for this group, this step
+        group.post_backward = functools.partial(self._deferred_post_backward, group, type(group).post_backward)
 
     def _prepare(self) -> bool:
         """Find the FSDP2 groups (once they exist) and index their sharded parameters for this forward."""
@@ -283,7 +331,7 @@ class Guard:
             if not isinstance(module, FSDPModule):
                 continue
             state = module._get_fsdp_state()
-            for group in _param_groups(state):
+            for group in param_groups(state):
                 groups.setdefault(id(group), group)
             for other in state._state_ctx.all_states:  # the FSDP2 root may also be a wrapper around this model
                 if other._is_root:
@@ -352,10 +400,7 @@ class Guard:
     def _unshard(self, group: Any, fp: Any) -> None:
         self._reads += 1
         self._agree(group, fp)
-        if group not in self._pending:
-            self._pending[group] = group.post_forward_mesh_info
-            group.post_forward_mesh_info = None  # = set_reshard_after_forward(False) for this group, this step
-            group.post_backward = functools.partial(self._deferred_post_backward, group, type(group).post_backward)
+        self._hold(group)
         group.unshard()
         group.wait_for_unshard()
         if self._grad and hasattr(group, "_set_unsharded_grad_dtypes"):
@@ -415,7 +460,11 @@ class Guard:
     def _agree(self, group: Any, fp: Any) -> None:
         """Before a run-time all-gather: every rank of the group must be at the same read (the same group as its
         n-th run-time unshard of this forward), checked through the process group's store with a deadline, so
-        that a read made on some ranks only never becomes a mismatched collective. Raises GuardReadMismatch."""
+        that a read made on some ranks only never becomes a mismatched collective. Raises GuardReadMismatch.
+
+        O(ranks) store operations in all: each rank sets its group's name and adds one to a counter; the last to
+        arrive reads the names and publishes them; the others wait for that one key. The keys of a rank's previous
+        agreement are deleted once this one completed (every rank added here only after it had passed that one)."""
         import torch.distributed as dist
 
         pg = group.mesh_info.shard_process_group
@@ -424,26 +473,27 @@ class Guard:
         store = dist.distributed_c10d._get_default_store()
         ranks = dist.get_process_group_ranks(pg)
         me = dist.get_rank()
-        prefix = self._store_prefix(ranks)
-        for key in self._agreed_keys if self._reads == 1 else ():
-            store.delete_key(key)  # the previous forward's: every rank got past it
-        if self._reads == 1:
-            self._agreed_keys = []
         name, parameter, where, reader, _ = self._describe(group, fp)
-        key = f"{prefix}/{self._forwards}/{self._reads}/"
+        key = f"{self._store_prefix(ranks)}/{self._forwards}/{self._reads}/"
         store.set(key + str(me), name)
-        self._agreed_keys.append(key + str(me))
+        mine = [key + str(me)]
+        if store.add(key + "arrived", 1) == len(ranks):
+            names = [v.decode() for v in store.multi_get([key + str(r) for r in ranks])]
+            store.set(key + "all", "\n".join(names))
+            mine += [key + "arrived", key + "all"]
         seconds = _agree_seconds()
-        peers = [key + str(r) for r in ranks if r != me]
         try:
-            store.wait(peers, datetime.timedelta(seconds=seconds))
-            seen = dict(zip(ranks, [v.decode() for v in store.multi_get([key + str(r) for r in ranks])], strict=True))
+            store.wait([key + "all"], datetime.timedelta(seconds=seconds))
+            seen = dict(zip(ranks, store.get(key + "all").decode().split("\n"), strict=True))
         except RuntimeError:  # DistStoreError: a rank did not reach this read in time
             present = [r for r in ranks if r == me or store.check([key + str(r)])]
             seen = {r: store.get(key + str(r)).decode() for r in present}
         absent = [r for r in ranks if r not in seen]
         other = {r: g for r, g in seen.items() if g != name}
         if not absent and not other:
+            for old in self._agreed:
+                store.delete_key(old)
+            self._agreed = mine
             return
         what = []
         if absent:
@@ -460,7 +510,8 @@ class Guard:
         )
         logger.error(message)
         self._reported = True
-        store.compare_set(f"{prefix}/mismatch", "", message)  # the first report wins; other ranks read it
+        # the first report wins; other ranks read it
+        store.compare_set(f"{self._store_prefix(ranks)}/mismatch", "", message)
         raise GuardReadMismatch(message)
 
     def _store_prefix(self, ranks: list[int]) -> str:
@@ -522,14 +573,6 @@ def _agree_seconds() -> float:
     return seconds if timeout is None else min(seconds, timeout.total_seconds())
 
 
-def _param_groups(state: Any) -> list[Any]:
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.10: one group per state
-        group = state._fsdp_param_group
-        groups = [group] if group is not None else []
-    return list(groups)
-
-
 def _argument_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterable[int]:
     for value in (*args, *kwargs.values()):
         if value.__class__ in _SEQ:
@@ -574,3 +617,22 @@ def _advice(owner: str, reader: str, *, forward_ran: bool) -> str:
 def _common_ancestor(a: str, b: str) -> str:
     pairs = itertools.takewhile(lambda pair: pair[0] == pair[1], zip(a.split("."), b.split("."), strict=False))
     return ".".join(x for x, _ in pairs)
+
+
+def _under_compile(root: nn.Module) -> bool:
+    """Whether the root's pass runs as a whole under ``torch.compile``: compiled in place (``module.compile()``), or
+    called through a ``torch.compile(module)`` wrapper (Dynamo's ``OptimizedModule`` around it on the stack)."""
+    if getattr(root, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None:
+        return False
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if "self" in frame.f_code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, optimized) and getattr(owner, "_orig_mod", None) is root:
+                return True
+        frame = frame.f_back
+    return False

@@ -97,6 +97,7 @@ __all__ = [
     "install_mixed_batches",
     "mixed_batches_mode",
     "mixed_batches_of",
+    "remove_mixed_batches",
     "sized_inputs",
     "tile_inputs",
 ]
@@ -131,7 +132,8 @@ def _family_of(module: nn.Module) -> VisionFamily | None:
 
 # ------------------------------------------------------------------------------------------------------ install
 
-_INSTALLED: weakref.WeakKeyDictionary[nn.Module, list[MixedBatches]] = weakref.WeakKeyDictionary()
+#: Where a model keeps its hooks (``module.__dict__``): the module owns them, so they die with it.
+MIXED_ATTR = "_fsdp_compat_mixed_batches"
 
 
 def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[MixedBatches]:
@@ -145,11 +147,10 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
     mode = mixed_batches_mode() if mode is None else mode
     if mode not in MODES:
         raise FsdpCompatError(f"mixed-batch mode {mode!r} is not one of {', '.join(MODES)}")
-    existing = _INSTALLED.get(model)
+    existing = model.__dict__.get(MIXED_ATTR)
     if existing is not None and all(m.mode == mode for m in existing):
         return mixed_batches_of(model)
-    for hooks in existing or ():
-        hooks.remove()
+    remove_mixed_batches(model)
     installed: list[MixedBatches] = []
     for path, module in model.named_modules():
         family = _family_of(module)
@@ -167,8 +168,15 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
         unknown = _unknown_vlm(model, mode)
         if unknown is not None:
             installed.append(unknown)
-    _INSTALLED[model] = installed
+    if installed:
+        model.__dict__[MIXED_ATTR] = installed
     return mixed_batches_of(model)
+
+
+def remove_mixed_batches(model: nn.Module) -> None:
+    """Take every hook :func:`install_mixed_batches` put on ``model`` off again (idempotent)."""
+    for hooks in model.__dict__.pop(MIXED_ATTR, None) or ():
+        hooks.remove()
 
 
 def _has_module(module: nn.Module, name: str) -> bool:
@@ -184,7 +192,7 @@ def _has_module(module: nn.Module, name: str) -> bool:
 
 def mixed_batches_of(model: nn.Module) -> list[MixedBatches]:
     """What :func:`install_mixed_batches` put on ``model`` (empty for text models and in mode ``off``)."""
-    return [m for m in _INSTALLED.get(model, ()) if m.mode != "off"]
+    return [m for m in model.__dict__.get(MIXED_ATTR, ()) if m.mode != "off"]
 
 
 def _forward_is_transformers(module: nn.Module) -> bool:
@@ -263,11 +271,11 @@ def _used_features(value: Any) -> Any:
 
 
 def _zero_of(value: Any) -> torch.Tensor | None:
-    """``0.0 * sum`` of every floating tensor of the features in ``value`` (:func:`_used_features`; None if there is
-    none): joins the graph where the real features do, adds nothing."""
+    """The sum of ``0 * t`` over every floating tensor ``t`` of the features in ``value`` (:func:`_used_features`;
+    None if there is none): joins the graph where the real features do, adds nothing."""
     zero = None
     for t in _floating_tensors(_used_features(value)):
-        term = t.sum() * 0.0
+        term = (t * 0).sum()  # not t.sum() * 0.0: a sum that overflows (fp16) is inf, and inf * 0.0 is NaN
         zero = term if zero is None else zero + term
     return zero
 
@@ -378,6 +386,26 @@ class MixedBatches:
             self._ranks = _mesh_ranks(_mesh_of(tower, root))
         return self._active
 
+    def _no_collectives(self) -> bool:
+        """Whether this pass issues no FSDP2 collective at all, on any rank: no grad (no backward, so no
+        reduce-scatter) and every group of the root's tree unsharded already (``reshard_after_forward=False`` after
+        an ``unshard()``, a sample on one rank). Then nothing can fall out of step, and plain FSDP2 issues nothing:
+        neither does the alignment (no exchange, no dummy)."""
+        if torch.is_grad_enabled():
+            return False
+        from torch.distributed.fsdp import FSDPModule
+
+        from fsdp_compat.runtime.window import tree_groups
+
+        root = self._root()
+        if not isinstance(root, FSDPModule):
+            return False
+        state = root._get_fsdp_state()
+        if not state._is_root:
+            return False
+        groups = tree_groups(state)
+        return bool(groups) and all(group.is_unsharded for group in groups)
+
     _columns = 1  # values each rank exchanges: one per aligned tower
 
     def _exchange(self, *values: int) -> dict[int, tuple[int, ...]]:
@@ -430,7 +458,7 @@ class MixedBatches:
             return
         self.outside_calls += 1
         self._unshard_root(root)
-        if self._activate():
+        if self._activate() and not self._no_collectives():
             self._announce_outside_call()
         self._unshard_enclosing(root)
 
@@ -490,7 +518,7 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     to True where the model is sharded across ranks: transformers' own default for FSDP-managed modules, made
     independent of how a transformers release detects them (ranks that stop at different lengths keep running
     forwards together, else the ones still decoding wait in an all-gather no other rank makes)."""
-    hooks = _INSTALLED.get(self, [])
+    hooks = self.__dict__.get(MIXED_ATTR, [])
     if kwargs.get("synced_gpus") is None and _multi_rank():
         tower = next((t for t in (h._tower() for h in hooks) if t is not None), None)
         if tower is not None and _fsdp_managed(self, tower):
@@ -519,13 +547,13 @@ _VISION = None  # the vision tower's place in a forward's order of media (the me
 
 #: Inner models whose forward calls a medium through the vision tower itself (Nemotron-H Omni's videos): the
 #: method that makes that call, wrapped on the instance, finds its hooks here (a deep copy finds none).
-_SHARED: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+_SHARED_ATTR = "_fsdp_compat_shared_media"  # in the inner model's ``__dict__``: method name -> its hooks
 
 
 def _shared_method(name: str) -> Callable[..., Any]:
     def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         original = getattr(type(self), name)
-        hooks = _SHARED.get(self, {}).get(name)
+        hooks = self.__dict__.get(_SHARED_ATTR, {}).get(name)
         if hooks is None:
             return original(self, *args, **kwargs)
         return hooks._shared_call(name, original, self, args, kwargs)
@@ -578,7 +606,7 @@ class _KnownFamily(MixedBatches):
             medium_tower = inner.get_submodule(medium.spec.tower)
             if medium_tower is tower:  # called through the vision tower: wrap the method that calls it
                 self._shared.append(medium.spec.method)
-                _SHARED.setdefault(inner, {})[medium.spec.method] = self
+                inner.__dict__.setdefault(_SHARED_ATTR, {})[medium.spec.method] = self
                 inner.__dict__[medium.spec.method] = types.MethodType(_shared_method(medium.spec.method), inner)
                 continue
             # first: a forward that runs this medium after another owes that one's dummies before this tower's
@@ -593,7 +621,7 @@ class _KnownFamily(MixedBatches):
             if inner is not None and name in inner.__dict__:
                 del inner.__dict__[name]
             if inner is not None:
-                _SHARED.get(inner, {}).pop(name, None)
+                inner.__dict__.get(_SHARED_ATTR, {}).pop(name, None)
         self._shared = []
 
     def _own_calls(self, inputs: dict[str, Any]) -> int:
@@ -617,7 +645,9 @@ class _KnownFamily(MixedBatches):
 
     def _aligned(self) -> bool:
         inner = self._inner()
-        return inner is not None and _forward_is_transformers(inner) and self._activate()
+        return (
+            inner is not None and _forward_is_transformers(inner) and self._activate() and not self._no_collectives()
+        )
 
     def _set_media(self, targets: Iterable[int | None]) -> None:
         for medium, target in zip(self._media, targets, strict=True):
@@ -951,7 +981,7 @@ class _UnknownFamily(MixedBatches):
         self.pixel_args = pixel_args
 
     def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not _forward_is_transformers(module) or not self._activate():
+        if not _forward_is_transformers(module) or not self._activate() or self._no_collectives():
             return
         inputs = _call_inputs(module, args, kwargs)
         own = int(any(inputs.get(name) is not None for name in self.pixel_args))

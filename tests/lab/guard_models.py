@@ -321,7 +321,7 @@ def probe_no_grad() -> dict[str, Any]:
     with torch.no_grad():
         loss = float(model(**batch).loss)
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    from fsdp_compat.runtime.guard import _param_groups
+    from fsdp_compat.runtime.window import param_groups as _param_groups
 
     groups = [g for state in states for g in _param_groups(state)]
     return {
@@ -355,7 +355,7 @@ def probe_reinstall() -> dict[str, Any]:
 
 
 def _root_groups(model: nn.Module) -> list[Any]:
-    from fsdp_compat.runtime.guard import _param_groups
+    from fsdp_compat.runtime.window import param_groups as _param_groups
 
     return _param_groups(model._get_fsdp_state())
 
@@ -540,7 +540,7 @@ def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from fsdp_compat.runtime.guard import _param_groups
+    from fsdp_compat.runtime.window import param_groups as _param_groups
 
     torch.set_num_threads(1)
     checks: dict[str, list[Any]] = {}
@@ -656,13 +656,16 @@ def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None
 
 
 def guard_report() -> dict[str, Any]:
-    """Probe for any wrap (no ``_record`` needed): every armed guard installed in this rank, found through the guard's
-    own registry, with its run-time unshards and log lines. A plan that needs no guard must report ``unshards == 0``.
+    """Probe for any wrap (no ``_record`` needed): every armed guard installed in this rank (found among the live
+    objects: a guard lives on its model, no registry holds it), with its run-time unshards and log lines. A plan that
+    needs no guard must report ``unshards == 0``.
     ``disarmed``: guards the generic layer put on other FSDP2 roots whose groups passed its check (the harness's
     one-weight probe of FSDP2's gradient reduction is one): they watch no op."""
-    from fsdp_compat.runtime.guard import _GUARDS
+    import gc
 
-    installed = [g for g in list(_GUARDS.values()) if g.installed]
+    from fsdp_compat.runtime.guard import Guard
+
+    installed = [g for g in gc.get_objects() if isinstance(g, Guard) and g.installed]
     guards = [g for g in installed if g.armed]
     return {
         "guards": len(guards),

@@ -1,10 +1,11 @@
-"""A ``torch.compile``d submodule inside a guarded forward: the armed guard adds no graph break and changes no number.
+"""A ``torch.compile``d submodule inside a guarded forward: the armed guard adds no graph break and changes no number
+(a whole root under ``torch.compile``: tests/runtime/test_root_compile.py).
 
 The armed guard keeps a ``TorchFunctionMode`` entered for the whole root forward, and Dynamo traces the modes on the
 stack into every compiled region: a check it cannot trace would split the region (``fullgraph=True`` raises) or run
-it op by op. Each case runs in one fresh gloo rank (1 rank, FSDP2 from ``fsdp_compat.apply_fsdp2``, which arms the
-guard as the adapters do): the same model from one seed, once with ``FSDP_COMPAT_GUARD=off`` and once armed, two
-forward + backward passes each, compiled with ``fullgraph=True`` through a counting ``aot_eager`` backend. Armed
+it op by op. Each case runs in one fresh gloo rank (1 rank, FSDP2 from ``fsdp_compat.apply_fsdp2``): the same model
+from one seed, once with ``FSDP_COMPAT_GUARD=off`` and once armed, two forward + backward passes each, compiled with
+``fullgraph=True`` through a counting ``aot_eager`` backend (the guard armed by hand: ``apply_fsdp2``'s own plan needs no per-op check, so it installs the guard disarmed). Armed
 must compile the same frames and ops with the same graph-break count (0) as off, with the guard's mode on the stack
 when the compiled code runs, and give equal losses and gradients (``torch.equal``). A control run wraps the forward
 in a mode whose check Dynamo cannot trace: its breaks must show up in the same counters (and ``fullgraph=True``
@@ -101,6 +102,8 @@ def _scenario(name: str, compiled: str, mesh: Any) -> dict[str, Any]:
     os.environ[ENV_GUARD] = "off" if name == "off" else "on"
     fsdp_compat.apply_fsdp2(net, {"mesh": mesh}, layer_classes=[type(net.layers[0])])
     guard = guard_of(net)
+    if guard is not None:
+        guard.armed = True  # apply_fsdp2's own plan needs no per-op check: armed here to test the check itself
     # The mode stack once per forward, right before the compiled part is called (from the eager block before it: a
     # hook on the compiled part itself would be traced with it).
     stacks: list[list[str]] = []

@@ -1,0 +1,111 @@
+"""Plain FSDP2's contract, kept by fsdp-compat's run-time layer in every job it touches (issue 36).
+
+fsdp-compat puts its run-time layer on every FSDP2 root (the generic layer; ``apply_fsdp2`` and the adapters install
+it themselves). Each case runs on 2 gloo ranks, fp32, each rank on its own micro-batch, and first shows what the same
+job does without fsdp-compat (``FSDP_COMPAT=off``: plain FSDP2), then what it does with the package merely installed:
+
+- a forward method registered with FSDP2 (``generate``, a rollout) as the root's first call, then AdamW steps: the
+  guard's per-op check opens and closes with FSDP2's own root pre/post-forward, so nothing stays entered and training
+  equals one process (0.0); plain FSDP2 crashes on this grouping at the table's raw read;
+- a dropped model is freed (weakref), whoever installed the layer (``apply_fsdp2``, ``install_runtime``, the
+  generic layer);
+- the mixed micro-batch error that exists to prevent a hang reaches every rank at the first forward through the
+  generic layer (Mllama, image|text): plain FSDP2 aborts in a collective mismatch instead;
+- after ``unshard()`` with ``reshard_after_forward=False``, a ``no_grad`` sample on rank 0 alone finishes as in
+  plain FSDP2 (no exchange where FSDP2 issues no collective);
+- ``fully_shard(model)`` alone, image|text ranks: plain FSDP2 aborts (the root's reduce-scatter covers only the
+  parameters that got a gradient); aligned, 0.0;
+- an optimizer built after a ``no_grad`` first forward: plain FSDP2 trains tensors it then discards (the root group
+  is left unsharded), fsdp-compat reshards once after that pass: 0.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from lab.support import OFF, ON, WORLD_SIZE, rank_output
+
+from fsdp_compat.testing.crashes import GLOO_MISMATCH
+from fsdp_compat.testing.launch import RunResult, run_ranks
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+BODY = "lab.contract:contract_rank"
+
+
+def _run(case: str, env: dict[str, str | None], *, variants: tuple[str, ...] = ("image",), **cfg: Any) -> RunResult:
+    kinds = [variants[r % len(variants)] for r in range(WORLD_SIZE)]
+    return run_ranks(
+        BODY, {"case": case, "model": "glm4v", "variants": kinds, **cfg}, world_size=WORLD_SIZE, timeout_s=200,
+        env={**ON, "FSDP_COMPAT_GENERIC": None, **env},
+    )  # fmt: skip
+
+
+def _assert_exact(result: RunResult) -> None:
+    result.raise_for_error()
+    for r in result.ranks:
+        assert r.extra["grad_diff"] == 0.0, (r.rank, r.extra["worst_grad_param"], r.extra["grad_diff"])
+        assert r.extra["param_diff"] == 0.0, (r.rank, r.extra["worst_param"], r.extra["param_diff"])
+        assert r.extra["losses"] == r.extra["reference_losses"], r.extra
+
+
+def _errors(result: RunResult) -> str:
+    return "\n".join(r.error or "" for r in result.ranks)
+
+
+def test_generate_registered_with_fsdp2_as_the_first_call_then_training() -> None:
+    off = _run("generate_first", OFF, shard="own")
+    assert not off.ok and "aten.grid_sampler_2d.default got mixed" in _errors(off), rank_output(off)
+    result = _run("generate_first", {}, shard="own", variants=("image", "text"))
+    _assert_exact(result)
+    for r in result.ranks:
+        assert r.extra["modes_after_generate"] == 0, r.extra  # the guard's mode closed with FSDP2's post-forward
+        assert r.extra["guard_unshards"] >= 2, r.extra  # armed: the trainer's rule gives the table its own group
+
+
+def test_a_dropped_model_is_freed_whoever_installed_the_runtime() -> None:
+    result = _run("drop", {}, ways=["apply", "install", "own"], variants=("image", "text"))
+    result.raise_for_error()
+    for r in result.ranks:
+        assert r.extra["alive"] == {way: [False, False] for way in ("apply", "install", "own")}, r.extra
+
+
+def test_the_error_that_prevents_a_hang_reaches_every_rank_through_the_generic_layer() -> None:
+    cfg = {"model": "lab.vlms:mllama", "steps": 1, "variants": ["image", "text"][:WORLD_SIZE] * (WORLD_SIZE // 2)}
+    env = {**ON, "FSDP_COMPAT_GENERIC": None}
+    off = run_ranks("lab.every_root:own_trainer_rank", cfg, world_size=WORLD_SIZE, timeout_s=200, env={**env, **OFF})
+    assert not off.ok and "FsdpCompatError" not in _errors(off), rank_output(off)
+    result = run_ranks("lab.every_root:own_trainer_rank", cfg, world_size=WORLD_SIZE, timeout_s=200, env=env)
+    assert not result.ok
+    for r in result.ranks:
+        assert "FsdpCompatError: fsdp-compat: mixed micro-batches" in (r.error or ""), rank_output(result)
+        assert GLOO_MISMATCH not in (r.error or ""), rank_output(result)
+
+
+@pytest.mark.parametrize("env", [OFF, {}], ids=["plain-fsdp2", "fsdp-compat"])
+def test_a_forward_on_one_rank_with_every_group_unsharded_finishes(env: dict[str, str | None]) -> None:
+    result = _run("one_rank_forward", env, shard="root", collective_timeout_s=30)
+    result.raise_for_error()
+    assert result.ranks[0].extra["sample_loss"] > 0
+    if env:
+        assert result.ranks[0].extra["mixed_batches"]["installed"] == 0  # plain FSDP2: nothing of fsdp-compat
+    else:
+        assert result.ranks[0].extra["mixed_batches"]["exchanges"] == 1  # the training step's, not the sample's
+
+
+def test_one_group_for_the_whole_model_is_aligned() -> None:
+    off = _run("train", OFF, shard="root", variants=("image", "text"), collective_timeout_s=60)
+    assert not off.ok and GLOO_MISMATCH in _errors(off), rank_output(off)
+    result = _run("train", {}, shard="root", variants=("image", "text"))
+    _assert_exact(result)
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks][:2] == [0, 2]
+
+
+def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_process() -> None:
+    off = _run("train_after_no_grad_first", OFF, shard="own", model="qwen2")
+    off.raise_for_error()
+    assert all(r.extra["param_diff"] > 1e-4 for r in off.ranks), [r.extra["param_diff"] for r in off.ranks]
+    result = _run("train_after_no_grad_first", {}, shard="own", model="qwen2")
+    _assert_exact(result)
+    assert all(r.extra["plain_params_after_eval"] == 0 for r in result.ranks)
