@@ -115,7 +115,7 @@ def _guard_line() -> str:
     if not guard_supports(torch_version):
         return f"run-time guard: OFF on torch {torch_version} (it supports {supported}; FSDP2 runs without it)"
     try:
-        guard_on = switches.flag(switches.GUARD, True, strict=True)
+        guard_on = switches.guard_mode() != "off"
     except Exception:
         return f"run-time guard: INVALID value ({_env(switches.GUARD)}; the run refuses it)"
     if not guard_on:
@@ -349,7 +349,7 @@ def as_dict() -> dict[str, Any]:
         policy = None
     torch_version = installed_torch()
     try:
-        guard_on = switches.flag(switches.GUARD, True, strict=True)
+        guard_on = switches.guard_mode() != "off"
     except Exception:
         guard_on = False
     guard = bool(torch_version and guard_supports(torch_version)) and guard_on

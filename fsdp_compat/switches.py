@@ -172,6 +172,16 @@ def mixed_batches_mode(*, strict: bool = True) -> str:
     return choice(MIXED_BATCHES, MIXED_BATCHES_MODES, "sync", on="sync", off="off", strict=strict)
 
 
+GUARD_MODES = ("on", "always", "off")
+
+
+def guard_mode(*, strict: bool = True) -> str:
+    """``FSDP_COMPAT_GUARD``: ``on`` when unset (the guard installed, its per-op check armed only where fsdp-compat's
+    check of the groups cannot rule a sharded read out), ``always`` (the per-op check on every guarded root: it also
+    catches reads no analysis sees, at its per-op cost) or ``off``; the on/off spellings mean ``on``/``off``."""
+    return choice(GUARD, GUARD_MODES, "on", on="on", off="off", strict=strict)
+
+
 def log_level(*, strict: bool = False) -> str:
     """``FSDP_COMPAT_LOG``: ``info`` when unset; ``quiet`` (or off, or ``warning``) drops the INFO lines."""
     return choice(LOG, LOG_LEVELS, "info", on="info", off="quiet", aliases={"warning": "quiet"}, strict=strict)
@@ -186,7 +196,7 @@ def invalid(policy_names: Iterable[str]) -> list[tuple[str, str]]:
         FORCE: lambda: flag(FORCE, False, strict=True),
         LOG: lambda: log_level(strict=True),
         POLICY: lambda: choice(POLICY, tuple(policy_names), "auto", what="a policy name", strict=True),
-        GUARD: lambda: flag(GUARD, True, strict=True),
+        GUARD: lambda: guard_mode(strict=True),
         GUARD_AGREE_S: lambda: seconds(GUARD_AGREE_S, 60.0),
         MIXED_BATCHES: lambda: mixed_batches_mode(strict=True),
         GENERIC: lambda: flag(GENERIC, True, strict=True),

@@ -7,8 +7,10 @@ FSDP2 leaves the root's own group unsharded after the root's forward (a backward
 discards at the next reshard, and training silently departs from one process. Plain FSDP2 leaves this to the user
 (``model.reshard()``); fsdp-compat sits on that window and closes it: at the end of the root's first pass, if it ran
 without grad, the groups that pass unsharded are resharded (a local free, no collective). Groups that were
-unsharded before the pass (the user's own ``unshard()``) are left as they are. Only the first pass: a loop of
-``no_grad`` forwards (decode, log-prob passes) gains no all-gather per step.
+unsharded before the pass by the user's own ``unshard()`` are left as they are; groups fsdp-compat unsharded before
+it (a vision tower called outside the forward, on some ranks only: :func:`note_unshard`) count as sharded, so every
+rank reshards the same groups. Only the first pass: a loop of ``no_grad`` forwards (decode, log-prob passes) gains
+no all-gather per step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from torch import nn
 
 from fsdp_compat.runtime.window import subscribe, tree_groups, window_of
 
-__all__ = ["FirstPass"]
+__all__ = ["FirstPass", "note_unshard"]
+
+_ATTR = "_fsdp_compat_first_pass"
 
 
 class FirstPass:
@@ -31,8 +35,10 @@ class FirstPass:
         self._done = False
         self._grad = True
         self._sharded: list[Any] = []
+        self._ours: set[int] = set()  # ids of groups fsdp-compat itself unsharded before the first pass
         self.resharded = 0
         self._unsubscribe = subscribe(model, self)
+        model.__dict__[_ATTR] = self
 
     def on_open(self) -> None:
         if self._done:
@@ -42,7 +48,8 @@ class FirstPass:
         state = window.state if window is not None else None
         if self._grad or state is None:
             return
-        self._sharded = [group for group in tree_groups(state) if not group.is_unsharded]
+        self._sharded = [g for g in tree_groups(state) if not g.is_unsharded or id(g) in self._ours]
+        self._ours = set()
 
     def on_close(self, raised: bool) -> None:
         if self._done:
@@ -58,3 +65,16 @@ class FirstPass:
 
     def remove(self) -> None:
         self._unsubscribe()
+        if self._model.__dict__.get(_ATTR) is self:
+            del self._model.__dict__[_ATTR]
+
+
+def note_unshard(root: nn.Module, module: nn.Module) -> None:
+    """fsdp-compat unshards ``module``'s FSDP2 groups outside a pass (below ``root``): before the first pass, they
+    count as sharded for :class:`FirstPass`, whose reshard must be the same on every rank."""
+    first = root.__dict__.get(_ATTR)
+    if first is None or first._done:
+        return
+    from fsdp_compat.runtime.window import param_groups
+
+    first._ours.update(id(g) for g in param_groups(module._get_fsdp_state()))

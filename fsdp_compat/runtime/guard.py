@@ -95,7 +95,12 @@ class GuardReadMismatch(FsdpCompatError):
 
 def guard_enabled() -> bool:
     """False when ``FSDP_COMPAT_GUARD`` is off (:mod:`fsdp_compat.switches`); on by default; an unknown value raises."""
-    return switches.flag(ENV_GUARD, True, strict=True)
+    return switches.guard_mode() != "off"
+
+
+def guard_always_armed() -> bool:
+    """``FSDP_COMPAT_GUARD=always``: the per-op check on every guarded root, whatever the check of its groups says."""
+    return switches.guard_mode() == "always"
 
 
 #: The oldest torch the guard supports (its one home: :mod:`fsdp_compat.runtime.torch_versions`).
@@ -133,10 +138,10 @@ def install_guard(model: nn.Module, *, armed: bool | None = None) -> Guard | Non
         return None
     existing = guard_of(model)
     if existing is not None:
-        if armed:
+        if armed or guard_always_armed():
             existing.armed = True
         return existing
-    guard = Guard(model, armed=armed)
+    guard = Guard(model, armed=True if guard_always_armed() else armed)
     model.__dict__[GUARD_ATTR] = guard
     return guard
 

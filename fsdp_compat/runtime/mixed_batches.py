@@ -75,6 +75,7 @@ from fsdp_compat.log import logger
 from fsdp_compat.runtime import exchange as wire
 from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.exchange import column as _column
+from fsdp_compat.runtime.first_pass import note_unshard
 from fsdp_compat.runtime.vlm_families import (
     FAMILIES,
     VisionFamily,
@@ -479,6 +480,7 @@ class MixedBatches:
         lazy_init = getattr(state, "_lazy_init", None)  # FSDP2 internals: torch 2.4 ... 2.15
         if callable(lazy_init):
             lazy_init()
+        note_unshard(root, root)
         root.unshard()
 
     def _unshard_enclosing(self, root: nn.Module) -> None:
@@ -490,6 +492,7 @@ class MixedBatches:
         for path in self._enclosing:
             module = root.get_submodule(path)
             if isinstance(module, FSDPModule):
+                note_unshard(root, module)
                 module.unshard()
 
 

@@ -10,6 +10,7 @@ one line. Used by :mod:`fsdp_compat.runtime.mixed_batches`; imports torch only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,21 @@ __all__ = [
 ]
 
 
+def _index(rows: list[Any], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A dummy's small integer tensor (a grid, image sizes), made once per value and device: a dummy built on every
+    text-only micro-batch copies no host list to the GPU (a copy and a stream sync each time) after the first."""
+    return _cached_index(_frozen(rows), dtype, torch.device(device))
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else int(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_index(rows: tuple[Any, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
 def grid_dummy(vision_config: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero patches for one image of 2m x 2m patches (m = spatial merge size) and its ``grid_thw``.
 
@@ -82,7 +98,7 @@ def grid_dummy(vision_config: Any, device: torch.device, dtype: torch.dtype) -> 
     merge = int(vision_config.spatial_merge_size)
     channels = int(getattr(vision_config, "in_channels", None) or vision_config.in_chans)
     patch, temporal = int(vision_config.patch_size), int(vision_config.temporal_patch_size)
-    grid = torch.tensor([[1, 2 * merge, 2 * merge]], dtype=torch.long, device=device)
+    grid = _index([[1, 2 * merge, 2 * merge]], torch.long, device)
     pixels = torch.zeros(4 * merge * merge, channels * temporal * patch * patch, dtype=dtype, device=device)
     return pixels, grid
 
@@ -119,7 +135,7 @@ def sized_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[
     vision = config.vision_config
     side = 2 * int(vision.patch_size) * int(getattr(config, "spatial_merge_size", 1) or 1)
     pixels = torch.zeros(1, _channels(vision), side, side, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]], dtype=torch.long, device=device)}
+    return {"pixel_values": pixels, "image_sizes": _index([[side, side]], torch.long, device)}
 
 
 def tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -193,7 +209,7 @@ def chunk_mel_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> d
     frames = 8
     return {
         "input_features": torch.zeros(1, int(audio.feature_size), frames, dtype=dtype, device=device),
-        "chunk_sample_lengths": torch.tensor([frames * int(audio.hop_length)], dtype=torch.long, device=device),
+        "chunk_sample_lengths": _index([frames * int(audio.hop_length)], torch.long, device),
     }
 
 
@@ -329,7 +345,7 @@ def grid_patches_inputs(config: Any, device: torch.device, dtype: torch.dtype) -
     learned position table is interpolated to the grid, as in GLM4V: the same 2m x 2m smallest image)."""
     vision = config.vision_config
     merge, patch = int(vision.spatial_merge_size), int(vision.patch_size)
-    grid = torch.tensor([[1, 2 * merge, 2 * merge]], dtype=torch.long, device=device)
+    grid = _index([[1, 2 * merge, 2 * merge]], torch.long, device)
     pixels = torch.zeros(4 * merge * merge, _channels(vision), patch, patch, dtype=dtype, device=device)
     return {"pixel_values": pixels, "image_grid_thw": grid}
 
@@ -368,7 +384,7 @@ def conv_grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> d
     kh, kw = (int(k) for k in vision.merge_kernel_size)
     patch = int(vision.patch_size)
     pixels = torch.zeros(kh * kw, 3, patch, patch, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, kh, kw]], dtype=torch.long, device=device)}
+    return {"pixel_values": pixels, "image_grid_thw": _index([[1, kh, kw]], torch.long, device)}
 
 
 def patch_grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -380,7 +396,7 @@ def patch_grid_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> 
     merge = int(getattr(vision, "spatial_merge_size", None) or getattr(vision, "merge_size", None) or 1)
     temporal = int(getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1)
     dim = _channels(vision) * temporal * int(vision.patch_size) ** 2
-    grid = torch.tensor([[1, 2 * merge, 2 * merge]], dtype=torch.long, device=device)
+    grid = _index([[1, 2 * merge, 2 * merge]], torch.long, device)
     return {"pixel_values": torch.zeros(4 * merge * merge, dim, dtype=dtype, device=device), "image_grid_thw": grid}
 
 
@@ -403,7 +419,7 @@ def grid_hw_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dic
     side = round(1 / float(config.downsample_ratio))
     dim = _channels(vision) * int(vision.patch_size) ** 2
     pixels = torch.zeros(side * side, dim, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "image_grid_hw": torch.tensor([[side, side]], dtype=torch.long, device=device)}
+    return {"pixel_values": pixels, "image_grid_hw": _index([[side, side]], torch.long, device)}
 
 
 def tubelet_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -513,7 +529,7 @@ def anyres_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict
     height, width = min(((int(h), int(w)) for h, w in config.image_grid_pinpoints), key=lambda hw: (hw[0] * hw[1], hw))
     tiles = 1 + (-(-height // side)) * (-(-width // side))
     pixels = torch.zeros(1, tiles, _channels(vision), side, side, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "image_sizes": torch.tensor([[height, width]], dtype=torch.long, device=device)}
+    return {"pixel_values": pixels, "image_sizes": _index([[height, width]], torch.long, device)}
 
 
 def positioned_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -536,7 +552,7 @@ def naflex_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict
     vision = config.vision_config
     f, patch = int(config.downsample_factor), int(vision.patch_size)
     pixels = torch.zeros(1, f * f, _channels(vision) * patch * patch, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "spatial_shapes": torch.tensor([[f, f]], dtype=torch.long, device=device),
+    return {"pixel_values": pixels, "spatial_shapes": _index([[f, f]], torch.long, device),
             "pixel_attention_mask": torch.ones(1, f * f, dtype=torch.long, device=device)}  # fmt: skip
 
 
@@ -562,7 +578,7 @@ def packed_inputs(config: Any, device: torch.device, dtype: torch.dtype, images:
     height = int(window[0]) * int(merge[0]) ** times
     width = int(window[1]) * int(merge[1]) ** times
     pixels = torch.zeros(1, _channels(vision), patch, images * height * width * patch, dtype=dtype, device=device)
-    sizes = torch.tensor([[height, width]] * images, dtype=torch.int32, device=device)
+    sizes = _index([[height, width]] * images, torch.int32, device)
     return {"pixel_values": pixels, "target_sizes": sizes}
 
 
@@ -593,7 +609,7 @@ def pooled_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict
     patches, patch = int(vision.num_position_embeddings), int(vision.patch_size)
     pixels = torch.zeros(1, patches, _channels(vision) * patch * patch, dtype=dtype, device=device)
     return {"pixel_values": pixels, "image_token_pooling": torch.zeros(1, 1, dtype=torch.long, device=device),
-            "image_grids": torch.tensor([[1, 1, 0, 0]], dtype=torch.long, device=device)}  # fmt: skip
+            "image_grids": _index([[1, 1, 0, 0]], torch.long, device)}  # fmt: skip
 
 
 def sam_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -656,7 +672,7 @@ def vq_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str
     vq = config.vq_config
     side = 2 * 2 ** (len(vq.channel_multiplier) - 1)
     pixels = torch.zeros(1, int(vq.in_channels), side, side, dtype=dtype, device=device)
-    return {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]], dtype=torch.long, device=device)}
+    return {"pixel_values": pixels, "image_sizes": _index([[side, side]], torch.long, device)}
 
 
 def position_patch_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -30,6 +30,10 @@ def _shard(model: nn.Module, how: str, mesh: Any, **kwargs: Any) -> None:
         own_apply_fsdp2(model, {"mesh": mesh, **kwargs})
     elif how == "root":
         fully_shard(model, mesh=mesh, **kwargs)
+    elif how == "replicate":  # FSDP2's data-parallel sibling: its state is an FSDPState, every rank the whole model
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=mesh, **kwargs)
     elif how == "apply":
         from fsdp_compat import apply_fsdp2
 

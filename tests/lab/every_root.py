@@ -43,9 +43,13 @@ def own_trainer_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> N
     """Zoo model ``cfg["model"]`` sharded by :func:`own_apply_fsdp2`, this rank on its own batch
     (``cfg["variants"][rank]``, seed 100 + rank) for ``cfg["steps"]`` AdamW steps, against the unsharded reference
     on every rank's batch with the mean loss. ``extra``: the groups, fsdp-compat's log lines, whether the guard is
-    armed, the run-time counters, losses and the worst differences."""
-    lines = LogLines()
+    armed, the run-time counters, losses and the worst differences. ``cfg["debug_log"]``: the DEBUG lines too, each
+    line starting with its level (else the lines a job shows, INFO and above, without it)."""
+    debug = bool(cfg.get("debug_log"))
+    lines = LogLines(levels=debug)
     logging.getLogger("fsdp_compat").addHandler(lines)
+    if debug:
+        logging.getLogger("fsdp_compat").setLevel(logging.DEBUG)
     extra["log"] = lines.lines
     init_group(cfg, rank)
     train_own_rule(cfg, rank, extra)
@@ -61,7 +65,12 @@ def train_own_rule(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> Non
     reference = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (cfg["world_size"],))
     scale = loss_scale(mesh)  # torch 2.8 over gloo sums gradients: the harness scales, the product does not
-    own_apply_fsdp2(model, {"mesh": mesh})
+    if cfg.get("rule") == "replicate":  # FSDP2's data-parallel sibling: a _ReplicateState is an FSDPState
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=mesh)
+    else:
+        own_apply_fsdp2(model, {"mesh": mesh})
     if cfg.get("activate") == "late":
         importlib.import_module("fsdp_compat.adapters.fsdp2")
     extra["groups"] = fsdp_groups(model)

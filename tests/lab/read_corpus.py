@@ -710,7 +710,9 @@ def _train(name: str, policy: str, guard: bool, mesh: Any, cfg: dict[str, Any]) 
 
     from fsdp_compat.apply import apply_fsdp2
 
-    os.environ["FSDP_COMPAT_GUARD"] = "on" if guard else "off"
+    # "always": the per-op check armed on fsdp-compat's own (safe) plan too; the default arms it only where the plan or
+    # the group check cannot rule a sharded read out, so the known gaps need it
+    os.environ["FSDP_COMPAT_GUARD"] = "always" if guard else "off"
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = PATTERNS[name]()

@@ -102,6 +102,29 @@ def test_one_group_for_the_whole_model_is_aligned() -> None:
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks][:2] == [0, 2]
 
 
+def test_replicate_roots_are_aligned_and_survive_a_restart() -> None:
+    """``replicate()`` (torch.distributed._composable.replicate_with_fsdp): its state subclasses FSDP2's, so the
+    generic layer reaches its roots too. Image|text ranks: plain replicate aborts (the gradient all-reduce covers only
+    the parameters that got a gradient); with fsdp-compat, 0.0; then the process group is destroyed and a new one
+    made (rank 1 a fresh interpreter) and a fresh replicated model trains exactly again."""
+    off = _run("train", OFF, shard="replicate", variants=("image", "text"), collective_timeout_s=60)
+    assert not off.ok and GLOO_MISMATCH in rank_output(off), rank_output(off)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cfg = {"model": "glm4v", "steps": 2, "variants": ["image", "text"], "second_port": port, "rule": "replicate"}
+    run = run_ranks("lab.restart:restart_rank", cfg, world_size=2, timeout_s=240, env={**ON})
+    run.raise_for_error()
+    for rank in run.ranks:
+        second = rank.extra["second"]
+        assert second["ok"], second.get("error")
+        for phase in (rank.extra["first"], second):
+            assert phase["grad_diff"] == 0.0 and phase["param_diff"] == 0.0, phase
+            assert phase["mixed_batches"]["dummy_calls"] == 2 * rank.rank, phase  # the text rank's dummies
+
+
 def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_process() -> None:
     off = _run("train_after_no_grad_first", OFF, shard="own", model="qwen2")
     off.raise_for_error()

@@ -5,11 +5,12 @@ The armed guard keeps a ``TorchFunctionMode`` entered for the whole root forward
 stack into every compiled region: a check it cannot trace would split the region (``fullgraph=True`` raises) or run
 it op by op. Each case runs in one fresh gloo rank (1 rank, FSDP2 from ``fsdp_compat.apply_fsdp2``): the same model
 from one seed, once with ``FSDP_COMPAT_GUARD=off`` and once armed, two forward + backward passes each, compiled with
-``fullgraph=True`` through a counting ``aot_eager`` backend (the guard armed by hand: ``apply_fsdp2``'s own plan needs no per-op check, so it installs the guard disarmed). Armed
-must compile the same frames and ops with the same graph-break count (0) as off, with the guard's mode on the stack
-when the compiled code runs, and give equal losses and gradients (``torch.equal``). A control run wraps the forward
-in a mode whose check Dynamo cannot trace: its breaks must show up in the same counters (and ``fullgraph=True``
-must raise), so a guard that broke graphs would fail this test.
+``fullgraph=True`` through a counting ``aot_eager`` backend (the guard armed by hand: ``apply_fsdp2``'s own plan
+needs no per-op check, so it installs the guard disarmed). Armed must compile the same frames and ops with the same
+graph-break count (0) as off, with the guard's mode on the stack when the compiled code runs, and give equal losses
+and gradients (``torch.equal``). A control run wraps the forward in a mode whose check Dynamo cannot trace: its
+breaks must show up in the same counters (and ``fullgraph=True`` must raise), so a guard that broke graphs would
+fail this test.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ process per rank (the harness's ``run_ranks``: one deadline, tracebacks reported
 - ``auto`` with the guard off must train with exact parity (0.0, gradients and parameters, on every rank): the
   static plan alone is safe - unless the pattern is in ``KNOWN_GAPS`` (reads no static analysis can see), where it
   must crash, so the list cannot go stale;
-- ``auto`` with the guard on (the default) must train with exact parity (0.0): the guard covers the gaps.
+- ``auto`` with the guard's per-op check armed (``FSDP_COMPAT_GUARD=always``; the default arms it only where the
+  plan or the group check cannot rule a sharded read out, which fsdp-compat's own plan always can) must train with
+  exact parity (0.0): the guard covers the gaps.
 """
 
 from __future__ import annotations
