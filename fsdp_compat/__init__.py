@@ -22,6 +22,8 @@ _EXPORTS = {
     "RootEntry": "fsdp_compat.plan",
     "apply_fsdp2": "fsdp_compat.apply",
     "install_runtime": "fsdp_compat.runtime",
+    "register_family": "fsdp_compat.runtime.vlm_families",
+    "VisionFamily": "fsdp_compat.runtime.vlm_families",
     "audit_raw_reads": "fsdp_compat.audit",
     "RawRead": "fsdp_compat.analysis",
     "Policy": "fsdp_compat.policies",
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     from fsdp_compat.policies import Legacy as Legacy
     from fsdp_compat.policies import Policy as Policy
     from fsdp_compat.runtime import install_runtime as install_runtime
+    from fsdp_compat.runtime.vlm_families import VisionFamily as VisionFamily
+    from fsdp_compat.runtime.vlm_families import register_family as register_family
 
 
 def __getattr__(name: str) -> Any:

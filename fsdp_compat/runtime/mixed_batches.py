@@ -82,6 +82,7 @@ from fsdp_compat.runtime.vlm_families import (
     fixed_inputs,
     grid_dummy,
     grid_inputs,
+    registered_families,
     sized_inputs,
     tile_inputs,
 )
@@ -124,8 +125,9 @@ def mixed_batches_mode() -> str:
 
 
 def _family_of(module: nn.Module) -> VisionFamily | None:
+    """The row of ``module``'s class: a registered one first (:func:`.vlm_families.register_family`), then the table."""
     names = {cls.__name__ for cls in type(module).__mro__}
-    for family in FAMILIES:
+    for family in (*reversed(registered_families()), *FAMILIES):
         if names.intersection(family.classes):
             return family
     return None
@@ -649,7 +651,10 @@ class _KnownFamily(MixedBatches):
     def _aligned(self) -> bool:
         inner = self._inner()
         return (
-            inner is not None and _forward_is_transformers(inner) and self._activate() and not self._no_collectives()
+            inner is not None
+            and (_forward_is_transformers(inner) or self.family in registered_families())
+            and self._activate()
+            and not self._no_collectives()
         )
 
     def _set_media(self, targets: Iterable[int | None]) -> None:
@@ -893,9 +898,9 @@ class _KnownFamily(MixedBatches):
         where no rank makes it, or outside a forward)."""
         dtype = _dtype_of(inner.get_submodule(self.family.tower))
         if self._per_image is None:
-            return self.family.dummy(inner.config, device, dtype)
+            return self.family.dummy(getattr(inner, "config", None), device, dtype)
         images = self._images[call] if call is not None and call < len(self._images) else 1
-        return self.family.dummy(inner.config, device, dtype, images=images)  # type: ignore[call-arg]
+        return self.family.dummy(getattr(inner, "config", None), device, dtype, images=images)  # type: ignore[call-arg]
 
     def _vision_top_up(self, device: torch.device) -> None:
         """The vision dummies this rank still owes (before the text model, or, where the forward runs its audio

@@ -59,6 +59,8 @@ __all__ = [
     "pooled_inputs",
     "position_patch_inputs",
     "positioned_inputs",
+    "register_family",
+    "registered_families",
     "sam_inputs",
     "sized_inputs",
     "strided_inputs",
@@ -784,3 +786,35 @@ def family_named(name: str) -> VisionFamily:
         if family.name == name:
             return family
     raise KeyError(f"no family {name!r}; rows: {', '.join(f.name for f in FAMILIES)}")
+
+
+# ------------------------------------------------------------------------------------------- a user's own rows
+
+_REGISTERED: list[VisionFamily] = []
+
+
+def register_family(family: VisionFamily) -> VisionFamily:
+    """Add a row for a vision-language model of your own (or one fsdp-compat has no row for), so that its ranks stay
+    in step when some micro-batches have no images: call it before the model's first forward (before or after
+    ``fully_shard``). The row names the inner model class (``classes``: the class that has ``get_image_features``,
+    the tower and the text model as attributes; your outer model may be that class), its pixel arguments
+    (``inputs``), the tower and text-model attributes, and ``dummy(config, device, dtype)``: the
+    ``get_image_features`` keywords of the smallest valid input (``config`` is the inner model's ``config``
+    attribute, None where it has none). A registered row is trusted for a forward that is not transformers' own.
+    The text model must take ``inputs_embeds`` (the dummy's zero term joins there). Returns the row; registering
+    a row with the same name again replaces it."""
+    if not isinstance(family, VisionFamily):
+        raise TypeError(f"register_family takes a VisionFamily, not {type(family).__name__}")
+    if not family.classes or not family.inputs or not callable(family.dummy):
+        raise ValueError(
+            f"register_family({family.name!r}): a row needs the inner model class names (classes), its pixel "
+            "arguments (inputs) and a dummy builder (dummy(config, device, dtype) -> get_image_features keywords)"
+        )
+    _REGISTERED[:] = [f for f in _REGISTERED if f.name != family.name]
+    _REGISTERED.append(family)
+    return family
+
+
+def registered_families() -> tuple[VisionFamily, ...]:
+    """The rows :func:`register_family` added, newest last (they are looked up before :data:`FAMILIES`)."""
+    return tuple(_REGISTERED)

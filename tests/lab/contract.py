@@ -115,6 +115,39 @@ def drop(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     extra["alive"] = alive
 
 
+def soak(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """``cfg["rebuilds"]`` times: build the model, shard it (``cfg["shard"]``), train ``cfg["steps"]`` AdamW steps on
+    this rank's batch, drop it. After each rebuild (and ``gc.collect()``): this process's resident memory (MiB) and
+    how many of the models built so far are still alive."""
+    from fsdp_compat.testing.zoo import build_model, make_batch
+
+    mesh = _mesh(cfg)
+    batch = make_batch(cfg["model"], seed=100 + rank, variant=cfg["variants"][rank])
+    models: list[weakref.ref[nn.Module]] = []
+    extra["rss_mib"], extra["alive"] = [], []
+    for _ in range(cfg["rebuilds"]):
+        model = build_model(cfg["model"], seed=0)
+        _shard(model, cfg["shard"], mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(cfg["steps"]):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        models.append(weakref.ref(model))
+        del model, opt
+        gc.collect()
+        extra["rss_mib"].append(_rss_mib())
+        extra["alive"].append(sum(ref() is not None for ref in models))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def one_rank_forward(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     """``reshard_after_forward=False``, a training step, ``unshard()`` on every rank, then a ``no_grad`` sample on
     rank 0 alone (plain FSDP2 issues no collective there), then a barrier."""
@@ -159,9 +192,32 @@ def train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     _train(cfg, rank, extra, model, reference, mesh)
 
 
-CASES = {f.__name__: f for f in (generate_first, drop, one_rank_forward, train_after_no_grad_first, train)}
+CASES = {f.__name__: f for f in (generate_first, drop, soak, one_rank_forward, train_after_no_grad_first, train)}
 
 
 def contract_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     init_group(cfg, rank)
     CASES[cfg["case"]](cfg, rank, extra)
+
+
+def own_vlm(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """The user's own VLM class (``lab.own_vlm``), sharded by a trainer's rule (every block its own group, then the
+    root), its row registered with ``fsdp_compat.register_family`` where ``cfg["register"]``; trains against one
+    process."""
+    from fsdp_compat.testing.zoo import build_model
+    from lab.own_vlm import row
+
+    if cfg["register"]:
+        import fsdp_compat
+
+        fsdp_compat.register_family(row())
+    model = build_model(cfg["model"], seed=0)
+    reference = copy.deepcopy(model)
+    mesh = _mesh(cfg)
+    for module in [*model.encoder.blocks, *model.decoder.blocks]:
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(cfg, rank, extra, model, reference, mesh)
+
+
+CASES["own_vlm"] = own_vlm
