@@ -5,6 +5,10 @@
 - :mod:`benchmarks.skeletons`: full-size models on the meta device (planning time, groups, per-rank bytes at
   world sizes 2-64, predicted crashes).
 - :mod:`benchmarks.startup`: interpreter start-up cost of the ``.pth`` hook and of ``import verl`` with it.
+- :mod:`benchmarks.guard`, :mod:`benchmarks.no_grad`: the run-time layer's cost (the guard as ``apply_fsdp2``
+  installs it; FSDP2's all-gathers per forward of a ``no_grad`` loop).
+- :mod:`benchmarks.mixed_batches`, :mod:`benchmarks.exchange`, :mod:`benchmarks.schedule`: the mixed-batch
+  alignment (per mode and mix on 2 ranks; the exchange alone; exchange against a static schedule at 2-32 ranks).
 
 This module holds only the shared table and number formatting, so importing it costs nothing. It also puts the
 checkout's ``tests/`` first on ``sys.path``: the benchmarks use the tests' lab (``lab.guard_models``,

@@ -1,6 +1,7 @@
-"""``python -m benchmarks [policies|skeletons|startup ...] [-- extra args]``, from a source checkout.
+"""``python -m benchmarks [policies|skeletons|startup|guard|no_grad|schedule ...] [-- extra args]``, from a source
+checkout.
 
-With no name every benchmark runs, in the order skeletons, startup, policies (the longest last). Arguments after
+With no name every benchmark runs, in the order of :data:`NAMES`. Arguments after
 a single benchmark name go to that benchmark (``python -m benchmarks policies --models glm4v --steps 3``).
 """
 
@@ -10,7 +11,7 @@ import importlib
 import sys
 import time
 
-NAMES = ("skeletons", "startup", "policies", "guard", "mixed_batches", "exchange", "matrix")
+NAMES = ("skeletons", "startup", "policies", "guard", "no_grad", "mixed_batches", "exchange", "schedule", "matrix")
 
 
 def main(argv: list[str] | None = None) -> int:

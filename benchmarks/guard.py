@@ -5,31 +5,37 @@
 
 Two parts, one after the other in one run (``--parts`` picks).
 
-**cost** (1 gloo rank per model, ``apply_fsdp2`` with the default plan, fp32): why the armed guard costs what it
-costs, predicted and measured side by side. The generic layer installs the guard on every FSDP2 root, so its
-per-op cost becomes everyone's:
+**cost** (1 gloo rank per model, ``apply_fsdp2`` with the default policy, fp32): what the guard costs on a plan that
+needs none, as ``apply_fsdp2`` installs it now, and what its per-op check costs where it is armed, predicted and
+measured side by side. ``apply_fsdp2`` installs the guard disarmed where the policy's analysis made the plan (the
+default ``auto``): the per-op check runs only where fsdp-compat's check cannot rule a sharded read out.
 
+- four copies of the model built from one seed: ``off`` (``FSDP_COMPAT_GUARD=off``: no guard), ``default`` (what
+  ``apply_fsdp2`` installs with nothing set; the table shows its ``armed`` as installed and after the run),
+  ``armed`` (the default copy with ``guard_of(model).armed = True``) and ``off (2nd copy)`` (the same work as
+  ``off``: its ratio to ``off`` is the run's noise floor), each with its own AdamW, stepped
+  interleaved: each repeat runs every copy (order rotated per repeat) for ``steps per repeat`` steps and keeps the
+  fastest (the 2 cores are shared: a step another job slowed down says nothing about the guard). Every step times
+  forward + backward and then the whole step with AdamW, as wall time and as the process's CPU time; per copy the
+  median and min-max over the repeats, per ratio the median and min-max of the per-repeat ratios. The bar:
+  ``default``/``off`` <= 1.02x the step. The copies' losses must be equal at the last step (the guard changes no
+  number);
 - per-op cost: ns per call of a cheap op (``torch.add`` of two 4-element tensors, N calls in a loop) with no mode,
   with an empty pass-through ``TorchFunctionMode`` (the floor of any mode-based check) and with the guard's own mode
   (its sharded-parameter index filled by a real forward); "guard - none" is the armed guard's cost per op;
 - ops per step: a counting ``TorchFunctionMode`` entered exactly where the guard enters its mode (the root's
   forward, hooks registered after ``apply_fsdp2``), and, for reference, over the whole forward + backward;
-- predicted overhead = per-op cost x ops in the guard's window, as ms and as a ratio of the guard-off step;
-- measured: three copies of the model built from one seed (guard off = not installed; armed; installed and
-  disarmed via ``guard_of(model).armed = False``) stepped interleaved: each repeat runs every copy (order rotated
-  per repeat) for ``steps per repeat`` forward + backward passes and keeps the fastest (the 2 cores are shared: a
-  step another job slowed down says nothing about the guard); per copy the median and min-max over the repeats,
-  per ratio the median and min-max of the per-repeat ratios (each repeat's copies ran back to back).
-  A step here is forward + backward (no optimizer step: the guard acts in the forward only, so this ratio bounds a
-  full training step's from above); the three copies' losses must be equal (the guard changes no number).
+- predicted overhead of the armed guard = per-op cost x ops in the guard's window, as ms and as a ratio of the
+  guard-off forward + backward.
 
 **plans** (the earlier part, 2 gloo ranks): per model, one pair of ranks holds five wrapped copies side by side and
 steps them round-robin, so every ratio comes from one run under the same machine load:
 
 - ``safe, guard off`` / ``safe, guard on``: a plan with nothing to fix (``input-only``); the guard is installed
-  and idle, so the ratio is its pure overhead (a ``TorchFunctionMode`` that checks every op's arguments during
-  the forward). The target is <= 1.02x on the text model with realistic op sizes. ``safe, guard off (2nd copy)``
-  repeats the first copy: the ratio of the two is the run's noise floor.
+  as ``apply_fsdp2`` installs it for that policy (armed: ``input-only`` skips fsdp-compat's analysis), so the
+  ratio is the armed per-op check's overhead where nothing needs it (the ``cost`` part measures the default
+  policy, where it is disarmed). ``safe, guard off (2nd copy)`` repeats the first copy: the ratio of the two is the
+  run's noise floor.
 - ``legacy, guard on``: the upstream rule, which crashes without the guard (a raw read of a table with its own
   group); the guard unshards that group at the read, every step.
 - ``recommended, guard off``: ``legacy`` minus that group (the change the guard's log line recommends).
@@ -106,7 +112,12 @@ COST_MODELS: dict[str, dict[str, int]] = {
     "qwen2-4x1024": {"layers": 4, "hidden": 1024, "intermediate": 2816, "heads": 16, "kv_heads": 4, "vocab": 8192,
                      "tokens": 256, "steps": 2},
 }  # fmt: skip
-COST_VARIANTS = ("off", "armed", "disarmed")  # guard not installed / installed and armed / installed, disarmed
+# guard not installed (FSDP_COMPAT_GUARD=off) / as apply_fsdp2 installs it (nothing set) / that, per-op check forced
+# on / off again (the same work as off: its ratio to off is the run's noise floor)
+COST_VARIANTS = ("off", "default", "armed", "off (2nd copy)")
+# what each timed step records (the fastest of k per repeat): wall and CPU of forward + backward, and of the whole
+# step with AdamW
+SAMPLE_KEYS = ("fwd+bwd wall", "fwd+bwd CPU", "step wall", "step CPU")
 MICRO_CALLS = 20_000  # calls of the cheap op per timing of the per-op microbenchmark
 MICRO_REPEATS = 7
 
@@ -235,15 +246,101 @@ def _per_op_ns(modes: dict[str, Any], calls: int, repeats: int) -> dict[str, lis
     return out
 
 
+def _cost_copies(spec: dict[str, int], mesh: Any) -> dict[str, Any]:
+    """One copy per :data:`COST_VARIANTS` from one seed, each through ``apply_fsdp2`` as a user calls it."""
+    import torch
+
+    from fsdp_compat.apply import apply_fsdp2
+    from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
+
+    copies: dict[str, Any] = {}
+    for variant in COST_VARIANTS:
+        torch.manual_seed(0)  # the same weights in every copy
+        model = qwen2_of(spec)
+        if variant.startswith("off"):
+            os.environ[ENV_GUARD] = "off"
+        else:
+            os.environ.pop(ENV_GUARD, None)  # the default: what apply_fsdp2 installs when nothing is set
+        apply_fsdp2(model, {"mesh": mesh})
+        guard = guard_of(model)
+        assert (guard is None) == variant.startswith("off"), variant  # off: not installed at all
+        installed = None if guard is None else guard.armed
+        if variant == "armed":
+            guard.armed = True  # type: ignore[union-attr]  # the per-op check forced on: what it costs where it runs
+        copies[variant] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4),
+                           "installed_armed": installed}  # fmt: skip
+    return copies
+
+
+def _train_step(copy: dict[str, Any], batch: dict[str, Any]) -> tuple[float, float, float, float, Any]:
+    """Forward + backward, then AdamW: (wall, CPU) of forward + backward, (wall, CPU) of the whole step, the loss.
+    CPU time is the process's (every thread): a slice another job took is not counted."""
+    t, c = time.perf_counter(), time.process_time()
+    loss = copy["model"](**batch).loss
+    loss.backward()
+    wall_fb, cpu_fb = time.perf_counter() - t, time.process_time() - c
+    copy["opt"].step()
+    copy["opt"].zero_grad(set_to_none=True)
+    return wall_fb, cpu_fb, time.perf_counter() - t, time.process_time() - c, loss.detach()
+
+
+def _count_ops(model: Any, batch: dict[str, Any]) -> tuple[int, int]:
+    """Torch-function calls of one forward + backward (no optimizer step: the copies stay in step): in the guard's
+    window (a counting mode entered by hooks registered after ``apply_fsdp2``, where the guard enters its own) and
+    over the whole forward + backward."""
+    window = _counting_mode()
+
+    def enter(*_: Any) -> None:  # a hook that returned the mode would replace the forward's input
+        window.__enter__()
+
+    def leave(*_: Any) -> None:
+        window.__exit__(None, None, None)
+
+    def probe() -> None:
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+    probe()
+    for handle in handles:
+        handle.remove()
+    whole = _counting_mode()
+    with whole:
+        probe()
+    return window.calls, whole.calls
+
+
+def _interleaved(copies: dict[str, Any], batch: dict[str, Any], repeats: int, k: int) -> dict[str, Any]:
+    """Every repeat steps every copy k times, in an order rotated per repeat; per copy, clock and part the fastest
+    of the k steps (the machine is shared: a step another job slowed is not the guard's)."""
+    samples = {key: {v: [] for v in copies} for key in SAMPLE_KEYS}
+    losses: dict[str, Any] = {}
+    order = list(copies)
+    for index in range(repeats):
+        for variant in order[index % len(order) :] + order[: index % len(order)]:
+            steps = [_train_step(copies[variant], batch) for _ in range(k)]
+            for position, key in enumerate(SAMPLE_KEYS):
+                samples[key][variant].append(min(s[position] for s in steps))
+            losses[variant] = steps[-1][-1]
+    return {"samples": samples, "losses": losses}
+
+
+def _armed_now(model: Any) -> bool | None:
+    """Whether ``model``'s guard runs its per-op check now (None: no guard)."""
+    from fsdp_compat.runtime.guard import guard_of
+
+    guard = guard_of(model)
+    return None if guard is None else guard.armed
+
+
 def _cost_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
-    """One model, one rank: count the ops, time the per-op cost, then step the three copies interleaved."""
+    """One model, one rank: count the ops, time the per-op cost, then step the copies interleaved."""
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.runtime.guard import ENV_GUARD, guard_of
+    from fsdp_compat.runtime.guard import guard_of
 
     world = join_cpu_group(cfg, rank, threads=cfg["threads"])
     extra["threads"] = torch.get_num_threads()
@@ -252,76 +349,24 @@ def _cost_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, spec["vocab"], (1, spec["tokens"]), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    models: dict[str, Any] = {}
-    for variant in COST_VARIANTS:
-        torch.manual_seed(0)  # the same weights in every copy
-        model = qwen2_of(spec)
-        os.environ[ENV_GUARD] = "off" if variant == "off" else "on"
-        apply_fsdp2(model, {"mesh": mesh})
-        guard = guard_of(model)
-        assert (guard is not None) == (variant != "off"), variant  # off: not installed at all
-        if guard is not None:
-            assert guard.armed, "apply_fsdp2 installs the guard armed"
-            guard.armed = variant == "armed"
-        models[variant] = model
-    extra["params"] = sum(p.numel() for p in models["off"].parameters())
-
-    def step(model: Any) -> torch.Tensor:
-        loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    # Warm-up (lazy init, the guard's group discovery); the guard must change no number.
-    losses = {}
-    for _ in range(cfg["warmup"]):
-        for variant, model in models.items():
-            losses[variant] = step(model)
-    extra["same_loss"] = all(torch.equal(losses["off"], loss) for loss in losses.values())
-
-    # Ops per step, on the guard-off copy: in the guard's window (hooks placed as install_guard places its own,
-    # after apply_fsdp2) and over the whole forward + backward.
-    window = _counting_mode()
-    root = models["off"]
-
-    def enter(*_: Any) -> None:  # a hook that returned the mode would replace the forward's input
-        window.__enter__()
-
-    def leave(*_: Any) -> None:
-        window.__exit__(None, None, None)
-
-    handles = [root.register_forward_pre_hook(enter), root.register_forward_hook(leave, always_call=True)]
-    step(root)
-    for handle in handles:
-        handle.remove()
-    whole = _counting_mode()
-    with whole:
-        step(root)
-    extra["ops_window"], extra["ops_step"] = window.calls, whole.calls
+    copies = _cost_copies(spec, mesh)
+    extra["params"] = sum(p.numel() for p in copies["off"]["model"].parameters())
+    for _ in range(cfg["warmup"]):  # lazy init, the guard's first pass (where armed=None is decided)
+        for copy in copies.values():
+            _train_step(copy, batch)
+    extra["ops_window"], extra["ops_step"] = _count_ops(copies["off"]["model"], batch)
 
     # Per-op cost; the guard's mode as a forward leaves it (its index of sharded parameters filled).
-    guard_mode = guard_of(models["armed"])._mode  # type: ignore[union-attr]
+    guard_mode = guard_of(copies["armed"]["model"])._mode  # type: ignore[union-attr]
     assert len(guard_mode.keys) > 0, "the armed guard's mode saw no sharded parameter"
     micro = {"none": None, "empty mode": _passthrough_mode(), "guard mode": guard_mode}
     extra["per_op_ns"] = _per_op_ns(micro, cfg["micro_calls"], cfg["micro_repeats"])
 
-    # Interleaved timing: every repeat steps every copy, in an order rotated per repeat.
-    # Wall time, and CPU time of the process (every thread): on a shared machine the wall clock also counts the
-    # slices other jobs took; the CPU time counts only this process's work (with 1 thread, no spinning workers).
-    times: dict[str, list[float]] = {v: [] for v in COST_VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in COST_VARIANTS}
-    order = list(COST_VARIANTS)
-    for index in range(cfg["repeats"]):
-        for variant in order[index % len(order) :] + order[: index % len(order)]:
-            walls, cpus = [], []
-            for _ in range(spec["steps"]):
-                t, c = time.perf_counter(), time.process_time()
-                step(models[variant])
-                walls.append(time.perf_counter() - t)
-                cpus.append(time.process_time() - c)
-            times[variant].append(min(walls))  # the machine is shared: a step another job slowed is not the guard's
-            cpu[variant].append(min(cpus))
-    extra["times"], extra["cpu"] = times, cpu
+    timed = _interleaved(copies, batch, cfg["repeats"], spec["steps"])
+    extra["samples"] = timed["samples"]
+    # every copy made the same AdamW steps on the same batch: the guard changes no number
+    extra["same_loss"] = all(torch.equal(timed["losses"]["off"], loss) for loss in timed["losses"].values())
+    extra["armed"] = {v: (c["installed_armed"], _armed_now(c["model"])) for v, c in copies.items()}
     dist.barrier()
 
 
@@ -371,81 +416,77 @@ def _spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     return f"{med} ({lo}-{hi})"
 
 
+def _ratios(samples: dict[str, dict[str, list[float]]], key: str, variant: str) -> list[float]:
+    """Per-repeat ratios ``variant``/off of one sample key (each repeat's copies ran back to back)."""
+    return [v / o for v, o in zip(samples[key][variant], samples[key]["off"], strict=True)]
+
+
+def _armed_label(armed: tuple[bool | None, bool | None]) -> str:
+    """``as installed -> after the run`` of a copy's guard (None: not armed yet, decided at the first pass)."""
+    installed, now = armed
+    if now is None and installed is None:
+        return "no guard"
+    return f"{installed} -> {now}" if installed != now else str(now)
+
+
+def _cost_rows(res: dict[str, Any]) -> tuple[list[Any], list[list[Any]], list[list[Any]], list[Any]]:
+    """One model's rows: prediction, per copy, per ratio, per-op detail."""
+    spec, samples, ns = COST_MODELS[res["model"]], res["samples"], res["per_op_ns"]
+    per_op = statistics.median(ns["guard mode"]) - statistics.median(ns["none"])
+    predicted_s = per_op * res["ops_window"] * 1e-9
+    off_cpu = statistics.median(samples["fwd+bwd CPU"]["off"])
+    prediction = [res["model"], f"{res['params'] / 1e6:.1f}M", spec["tokens"], res["ops_window"], res["ops_step"],
+                  f"{per_op:.0f}", f"{predicted_s * 1e3:.1f}", f"{(off_cpu + predicted_s) / off_cpu:.3f}x"]  # fmt: skip
+    copies = []
+    for variant in COST_VARIANTS:
+        times = [_spread(samples[key][variant], 1e3) for key in SAMPLE_KEYS]
+        copies.append([res["model"], variant, _armed_label(res["armed"][variant]), *times])
+    ratios = []
+    for variant in COST_VARIANTS[1:]:
+        cells = [_spread(_ratios(samples, key, variant), digits=3) for key in SAMPLE_KEYS]
+        step = [statistics.median(_ratios(samples, key, variant)) for key in ("step wall", "step CPU")]
+        verdict = "; ".join("yes" if r <= TARGET else "NO" for r in step) if variant == "default" else ""
+        ratios.append([res["model"], f"{variant}/off", *cells, verdict])
+    micro = [res["model"], *(_spread(ns[k], digits=0) for k in ("none", "empty mode", "guard mode")),
+             f"{statistics.median(ns['empty mode']) - statistics.median(ns['none']):.0f}", f"{per_op:.0f}"]  # fmt: skip
+    return prediction, copies, ratios, micro
+
+
 def format_cost(results: list[dict[str, Any]], *, repeats: int) -> str:
-    """The cost part: predicted (per-op cost x ops) and measured overhead side by side, then the per-op detail."""
-    header = [
-        "model",
-        "params",
-        "tokens",
-        "ops/fwd (guard window)",
-        "ops/fwd+bwd (all)",
-        "guard ns/op",
-        "predicted +ms",
-        "predicted armed/off (wall; CPU)",
-        "off ms",
-        "armed ms",
-        "disarmed ms",
-        "measured armed/off",
-        "measured disarmed/off",
-        "CPU s armed/off",
-        "CPU s disarmed/off",
-        "same loss",
-    ]
-    rows, micro_rows = [], []
+    """The cost part: the copies as installed, the measured ratios (the bar: default/off), then the armed guard's
+    predicted cost (per-op cost x ops) and the per-op detail."""
+    predictions, copies, ratios, micro = [], [], [], []
     for res in results:
         if "error" in res:
-            rows.append([res["model"], "FAILED", (res["error"] or "").splitlines()[-1][:80], *[""] * 13])
+            copies.append([res["model"], "FAILED", (res["error"] or "").splitlines()[-1][:80], *[""] * 4])
             continue
-        spec, times, cpu, ns = COST_MODELS[res["model"]], res["times"], res["cpu"], res["per_op_ns"]
-        per_op = statistics.median(ns["guard mode"]) - statistics.median(ns["none"])
-        predicted_s = per_op * res["ops_window"] * 1e-9
-        off, off_cpu = statistics.median(times["off"]), statistics.median(cpu["off"])
-        armed = [a / o for a, o in zip(times["armed"], times["off"], strict=True)]
-        disarmed = [d / o for d, o in zip(times["disarmed"], times["off"], strict=True)]
-        armed_cpu = [a / o for a, o in zip(cpu["armed"], cpu["off"], strict=True)]
-        disarmed_cpu = [d / o for d, o in zip(cpu["disarmed"], cpu["off"], strict=True)]
-        rows.append(
-            [
-                res["model"],
-                f"{res['params'] / 1e6:.1f}M",
-                spec["tokens"],
-                res["ops_window"],
-                res["ops_step"],
-                f"{per_op:.0f}",
-                f"{predicted_s * 1e3:.1f}",
-                f"{(off + predicted_s) / off:.3f}x; {(off_cpu + predicted_s) / off_cpu:.3f}x",
-                _spread(times["off"], 1e3),
-                _spread(times["armed"], 1e3),
-                _spread(times["disarmed"], 1e3),
-                _spread(armed, digits=3),
-                _spread(disarmed, digits=3),
-                _spread(armed_cpu, digits=3),
-                _spread(disarmed_cpu, digits=3),
-                "yes" if res["same_loss"] else "NO",
-            ]
-        )
-        micro_rows.append(
-            [
-                res["model"],
-                _spread(ns["none"], digits=0),
-                _spread(ns["empty mode"], digits=0),
-                _spread(ns["guard mode"], digits=0),
-                f"{statistics.median(ns['empty mode']) - statistics.median(ns['none']):.0f}",
-                f"{per_op:.0f}",
-            ]
-        )
-    micro_header = ["model (rank)", "no mode ns", "empty mode ns", "guard mode ns", "empty - none", "guard - none"]
+        prediction, model_copies, model_ratios, model_micro = _cost_rows(res)
+        predictions.append(prediction)
+        copies.extend(model_copies)
+        ratios.extend(model_ratios)
+        micro.append(model_micro)
+        ratios.append([res["model"], "same loss, last step", *[""] * 4, "yes" if res["same_loss"] else "NO"])
     steps = ", ".join(f"{k} {v['steps']}" for k, v in COST_MODELS.items() if k in {r["model"] for r in results})
     threads = sorted({r["threads"] for r in results if "threads" in r})
+    copy_header = ["model", "copy", "armed (installed -> after run)", *(f"{k} ms" for k in SAMPLE_KEYS)]
+    ratio_header = ["model", "ratio", *SAMPLE_KEYS, f"default/off step <= {TARGET:.2f}x (wall; CPU)"]
+    prediction_header = ["model", "params", "tokens", "ops/fwd (guard window)", "ops/fwd+bwd (all)", "guard ns/op",
+                         "predicted +ms (armed)", "predicted armed/off (fwd+bwd CPU)"]  # fmt: skip
+    micro_header = ["model (rank)", "no mode ns", "empty mode ns", "guard mode ns", "empty - none", "guard - none"]
     return (
-        f"Armed guard cost on 1 gloo rank, {'/'.join(map(str, threads)) or '?'} torch thread(s) (apply_fsdp2 default "
-        "plan, fp32; step = forward + backward; ms: median "
-        f"(min-max) over {repeats} interleaved repeats of the fastest of k steps (k: {steps}); ratios: median "
-        "(min-max) of the per-repeat ratios, of wall time and of the process's CPU time)\n\n"
-        f"{format_table(header, rows, right=tuple(range(1, 15)))}\n\n"
+        f"Run-time guard cost on 1 gloo rank, {'/'.join(map(str, threads)) or '?'} torch thread(s) (apply_fsdp2, "
+        "default policy, fp32). Copies from one seed: off = FSDP_COMPAT_GUARD=off (no guard); default = as "
+        "apply_fsdp2 installs it with nothing set; armed = default with guard.armed = True; off (2nd copy) = off "
+        "again, the noise floor. ms: median (min-max) over "
+        f"{repeats} interleaved repeats of the fastest of k steps (k: {steps}); ratios: median (min-max) of the "
+        "per-repeat ratios; step = forward + backward + AdamW; CPU = the process's CPU time\n\n"
+        f"{format_table(copy_header, copies, right=(3, 4, 5, 6))}\n\n"
+        f"{format_table(ratio_header, ratios, right=(2, 3, 4, 5))}\n\n"
+        "The armed guard, predicted: guard ns per op x torch-function calls in its window\n\n"
+        f"{format_table(prediction_header, predictions, right=tuple(range(1, 8)))}\n\n"
         f"Per-op cost: CPU ns per call of torch.add on two 4-element tensors, {MICRO_CALLS} calls, median (min-max) of "
         f"{MICRO_REPEATS} interleaved timings\n\n"
-        f"{format_table(micro_header, micro_rows, right=(1, 2, 3, 4, 5))}"
+        f"{format_table(micro_header, micro, right=(1, 2, 3, 4, 5))}"
     )
 
 

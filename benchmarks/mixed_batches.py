@@ -3,8 +3,10 @@
 ``python -m benchmarks mixed_batches [--models glm4v,qwen2-vl] [--warmup 2] [--steps 10]``
 ``python -m benchmarks mixed_batches --exchange [--iters 200] [--busy-ms 20]`` (the exchange alone; see below)
 
-Per model, one pair of gloo ranks holds three wrapped copies (policy auto, guard on) that differ only in the mode,
-and steps them round-robin over three mixes, so every ratio comes from one run under the same machine load:
+Per model, one pair of gloo ranks holds three wrapped copies (``apply_fsdp2`` as installed by default) that differ
+only in the mode, and steps them round-robin (the order rotated per step) over three mixes, so every ratio comes
+from one run under the same machine load (``python -m benchmarks schedule`` runs the same rank code at 2-32 ranks,
+:func:`mix_kinds`):
 
 - ``images everywhere``: both ranks have images. ``sync`` pays its one small all-reduce per forward; ``always``
   and ``off`` nothing.
@@ -34,54 +36,123 @@ from typing import Any
 from benchmarks import fmt_ratio, format_table, join_cpu_group
 
 MODES = ("sync", "always", "off")
-MIXES = {"images everywhere": ("image", "image"), "no images": ("text", "text"), "mixed": ("image", "text")}
+MIXES = ("images everywhere", "no images", "mixed")
 
 
-def _rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+def mix_kinds(world: int) -> dict[str, tuple[str, ...]]:
+    """Each mix's micro-batch kind per rank: images on every rank, on none, on the even ranks (rank 0 at 2 ranks)."""
+    return {
+        "images everywhere": ("image",) * world,
+        "no images": ("text",) * world,
+        "mixed": tuple("image" if rank % 2 == 0 else "text" for rank in range(world)),
+    }
 
+
+class _ExchangeClock:
+    """Wall time this rank spent in the mixed-batch exchange (``fsdp_compat.runtime.exchange.exchange``, as the
+    alignment calls it) since the last :meth:`take`: waiting for the slowest rank included."""
+
+    def __init__(self) -> None:
+        from fsdp_compat.runtime import exchange as wire
+
+        self.seconds = 0.0
+        original = wire.exchange
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        wire.exchange = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _copies(cfg: dict[str, Any], mesh: Any) -> dict[str, tuple[Any, Any]]:
+    """One wrapped copy per mode of ``cfg["modes"]`` (apply_fsdp2's default, then the mode), each with AdamW."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_compat.apply import apply_fsdp2
-    from fsdp_compat.runtime.mixed_batches import install_mixed_batches, mixed_batches_of
-    from fsdp_compat.testing.zoo import build_model, make_batch
+    from fsdp_compat.runtime.mixed_batches import install_mixed_batches
+    from fsdp_compat.testing.zoo import build_model
 
-    join_cpu_group(cfg, rank)
-    mesh = init_device_mesh("cpu", (cfg["world_size"],))
     os.environ["FSDP_COMPAT_MIXED_BATCHES"] = "off"  # apply_fsdp2 installs nothing; each copy gets its own mode
     copies = {}
-    for mode in MODES:
+    for mode in cfg["modes"]:
         model = build_model(cfg["model"])
         apply_fsdp2(model, {"mesh": mesh})
         install_mixed_batches(model, mode)
         copies[mode] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    batches = {mix: make_batch(cfg["model"], seed=rank, variant=kinds[rank]) for mix, kinds in MIXES.items()}
-    times: dict[str, dict[str, list[float]]] = {mode: {mix: [] for mix in MIXES} for mode in MODES}
+    return copies
+
+
+def _rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
+    """The copies stepped round-robin over the mixes (``cfg``: model, modes, warmup, steps, threads); per mode and
+    mix the median step and the median time spent in the exchange, and the dummy tower calls per mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_compat.runtime.mixed_batches import mixed_batches_of
+    from fsdp_compat.testing.zoo import make_batch
+
+    join_cpu_group(cfg, rank, threads=cfg.get("threads"))
+    mesh = init_device_mesh("cpu", (cfg["world_size"],))
+    clock = _ExchangeClock()
+    copies = _copies(cfg, mesh)
+    kinds = mix_kinds(cfg["world_size"])
+    batches = {mix: make_batch(cfg["model"], seed=rank, variant=kinds[mix][rank]) for mix in MIXES}
+    times = {mode: {mix: [] for mix in MIXES} for mode in copies}
+    exchange = {mode: {mix: [] for mix in MIXES} for mode in copies}
+    modes = list(copies)
     for step in range(cfg["warmup"] + cfg["steps"]):
+        order = modes[step % len(modes) :] + modes[: step % len(modes)]  # rotated per step: no copy always first
         for mix, batch in batches.items():
-            for mode, (model, opt) in copies.items():
+            for mode in order:
                 if mode == "off" and mix == "mixed":
-                    continue
-                t = time.perf_counter()
-                model(**batch).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                    continue  # off cannot run it: the collectives fall out of step
+                clock.take()
+                seconds = _train_step(*copies[mode], batch)
                 if step >= cfg["warmup"]:
-                    times[mode][mix].append(time.perf_counter() - t)
-    extra["median_s"] = {m: {x: statistics.median(v) if v else None for x, v in d.items()} for m, d in times.items()}
-    extra["dummy_calls"] = {m: sum(h.dummy_calls for h in mixed_batches_of(copies[m][0])) for m in MODES}
+                    times[mode][mix].append(seconds)
+                    exchange[mode][mix].append(clock.take())
+    extra["median_s"] = _medians(times)
+    extra["exchange_s"] = _medians(exchange)
+    extra["dummy_calls"] = {m: sum(h.dummy_calls for h in mixed_batches_of(copies[m][0])) for m in copies}
+
+
+def _train_step(model: Any, opt: Any, batch: dict[str, Any]) -> float:
+    """Forward, backward, AdamW: its wall time."""
+    t = time.perf_counter()
+    model(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def _medians(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float | None]]:
+    return {m: {x: statistics.median(v) if v else None for x, v in d.items()} for m, d in samples.items()}
+
+
+def across_ranks(
+    ranks: list[dict[str, Any]], key: str, modes: tuple[str, ...], pick: Any = max
+) -> dict[str, dict[str, float | None]]:
+    """Per mode and mix ``pick`` (default the largest: a step is as slow as its slowest rank) of the ranks' medians
+    under ``key``; None where no rank has one."""
+    return {m: {x: pick(r[key][m][x] or 0.0 for r in ranks) or None for x in MIXES} for m in modes}
 
 
 def run(model: str, warmup: int, steps: int) -> dict[str, Any]:
     from fsdp_compat.testing.launch import run_ranks
 
-    result = run_ranks("benchmarks.mixed_batches:_rank", {"model": model, "warmup": warmup, "steps": steps},
-                       world_size=2, timeout_s=900)  # fmt: skip
+    cfg = {"model": model, "warmup": warmup, "steps": steps, "modes": MODES}
+    result = run_ranks("benchmarks.mixed_batches:_rank", cfg, world_size=2, timeout_s=900)
     result.raise_for_error()
     ranks = [r.extra for r in result.ranks]
-    # a step takes as long as its slowest rank
-    median = {m: {x: max(r["median_s"][m][x] or 0.0 for r in ranks) or None for x in MIXES} for m in MODES}
-    return {"median": median, "dummy_calls": [r["dummy_calls"] for r in ranks], "seconds": result.seconds}
+    return {"median": across_ranks(ranks, "median_s", MODES), "dummy_calls": [r["dummy_calls"] for r in ranks],
+            "seconds": result.seconds}  # fmt: skip
 
 
 def _exchange_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
