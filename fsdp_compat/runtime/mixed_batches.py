@@ -72,8 +72,8 @@ from torch import nn
 from fsdp_compat import switches
 from fsdp_compat.errors import FsdpCompatError
 from fsdp_compat.log import logger
+from fsdp_compat.runtime import alignment, marked
 from fsdp_compat.runtime import exchange as wire
-from fsdp_compat.runtime import marked
 from fsdp_compat.runtime.exchange import column as _column
 from fsdp_compat.runtime.first_pass import note_unshard
 from fsdp_compat.runtime.vlm_families import (
@@ -710,30 +710,29 @@ class _KnownFamily(MixedBatches):
         self._images = ()  # no exchange: a dummy packs one image
 
     def _set_target(self, own: int, own_media: tuple[int, ...], counts: dict[int, tuple[int, ...]]) -> None:
-        vision = _column(counts)
-        self._target = max(vision.values())
-        if own < self._target:
+        image_columns = len(self.family.inputs) if self._per_image is not None else 0
+        planned = alignment.targets(counts, len(self._media), image_columns)
+        self._target = planned.vision
+        if alignment.owed(own, planned.vision):
+            most = _ranks(_column(counts), lambda c: c == planned.vision)
             logger.debug(
                 "fsdp-compat: mixed micro-batches: %s: %d tower call(s) here, %d on rank(s) %s: dummy input",
-                self.path or self.root_class, own, self._target, _ranks(vision, lambda c: c == self._target),
+                self.path or self.root_class, own, planned.vision, most,
             )  # fmt: skip
-        for i, (medium, mine) in enumerate(zip(self._media, own_media, strict=True), start=1):
-            medium.target = max(_column(counts, i).values())
-            if mine < medium.target:
+        for medium, mine, target in zip(self._media, own_media, planned.media, strict=True):
+            medium.target = target
+            if alignment.owed(mine, target):
                 logger.debug("fsdp-compat: mixed micro-batches: %s: no %s here: dummy", self.root_class, medium.kind)
-        self._images = self._call_images(counts) if self._per_image is not None else ()
+        if image_columns and not planned.consistent and self._per_image_sharded():
+            self._raise_images_differ(counts)
+        self._images = planned.images
 
-    def _call_images(self, counts: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
-        """The images of each tower call of the longest call sequence any rank makes: a rank that makes fewer
-        calls tops up with dummies that pack as many images as the calls they pair with, so the row's per-image
-        modules run as often on every rank. Where the per-image modules hold an FSDP2 group of their own and the
-        ranks' real calls differ in images (or a shorter sequence is not the start of the longest), no dummy can
-        pair them: the same error on every rank, instead of a hang."""
+    def _raise_images_differ(self, counts: dict[int, tuple[int, ...]]) -> None:
+        """The per-image modules hold FSDP2 groups of their own and the ranks' real calls differ in images (or a
+        shorter sequence is not the start of the longest): no dummy can pair them, so the same error on every rank,
+        instead of a hang."""
         first, last = 1 + len(self._media), 1 + len(self._media) + len(self.family.inputs)
         calls = {rank: tuple(n for n in row[first:last] if n > 0) for rank, row in counts.items()}
-        longest = max(calls.values(), key=len)
-        if all(seq == longest[: len(seq)] for seq in calls.values()) or not self._per_image_sharded():
-            return longest
         module = self._per_image.module if self._per_image is not None else ""
         where = f"{self.path}.{module}" if self.path else module
         groups = ", ".join(f"{where}.{path}" if path else where for path in self._per_image_groups())

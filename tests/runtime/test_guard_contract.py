@@ -50,10 +50,12 @@ def _dp(env: dict[str, str | None], **cfg: object) -> list[dict]:
     ids=["param-groups", "state-ctx", "sharded-param"],
 )
 def test_a_missing_internal_stands_aside_and_training_continues_as_without_the_guard(hidden: list[str]) -> None:
-    """``auto`` plans ``passed_embedding`` safely (the guard stays idle): with an internal hidden from the guard,
-    3 steps train exactly as with the guard off (same losses, 0.0 against the twin), one warning per rank."""
+    """``auto`` plans ``passed_embedding`` safely (the guard stays idle); its per-op check armed everywhere
+    (``FSDP_COMPAT_GUARD=always``: the default leaves it disarmed on a safe plan, and a disarmed guard reads no
+    internal): with an internal hidden from the guard, 3 steps train exactly as with the guard off (same losses, 0.0
+    against the twin), one warning per rank."""
     off = _dp({ENV_GUARD: "off"}, steps=3)
-    broken = _dp({ENV_GUARD: None}, steps=3, hide=hidden)
+    broken = _dp({ENV_GUARD: "always"}, steps=3, hide=hidden)
     for o, b in zip(off, broken, strict=True):
         assert o["max_abs_diff"] == 0.0 and b["max_abs_diff"] == 0.0, (o, b)
         assert b["losses"] == o["losses"], (o["losses"], b["losses"])
