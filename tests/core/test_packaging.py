@@ -313,10 +313,8 @@ def test_doctor_reports_the_hook(venv: Path) -> None:
         r"\.pth start-up hook: installed at \S+fsdp_compat\.pth; active in this process", done.stdout
     )
     assert "automatic activation: on" in done.stdout
-    assert (
-        "verl adapter (fsdp_compat.adapters.verl; activates on import of verl.utils.fsdp_utils)"
-        in done.stdout
-    )
+    # the wheel's adapter index reaches the doctor: a framework absent here is named on the one "not installed" line
+    assert re.search(r"^not installed: .*\bverl\b", done.stdout, re.M), done.stdout
     done = _py(venv, "from fsdp_compat.doctor import report; print(report())", FSDP_COMPAT="off")
     assert "automatic activation: OFF (FSDP_COMPAT=off)" in done.stdout
     assert "NOT active in this process" in done.stdout

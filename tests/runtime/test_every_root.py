@@ -28,7 +28,12 @@ GRID_SAMPLER_CRASH = "aten.grid_sampler_2d.default"
 MIXED = "got mixed torch.Tensor and DTensor"
 ON = {"FSDP_COMPAT": None, "FSDP_COMPAT_GENERIC": None, "FSDP_COMPAT_GUARD": None, "FSDP_COMPAT_AUTOLOAD": None}
 UNSAFE_TABLE = "the FSDP2 group model.visual.embeddings.position_embedding can be read while sharded"
-SAFE = "FSDP2 groups pass fsdp-compat's safety check; run-time guard installed (its per-op check off: no read to catch)"
+#: the process's one INFO line where the layer changes the run (fsdp_compat.log.announce_once), and its DEBUG line
+#: for a root whose groups pass the check with nothing to align
+ANNOUNCED = "fsdp-compat: generic layer on FSDP2 root Glm4vForConditionalGeneration ("
+ARMED_AND_ALIGNED = "run-time guard armed (unsafe groups), mixed micro-batch alignment installed"
+SAFE = "DEBUG fsdp-compat: generic layer: Qwen2ForCausalLM: its "
+SAFE_END = " FSDP2 groups pass fsdp-compat's safety check; nothing to guard or align"
 
 
 def run(model: str, variants: list[str], env: dict[str, str | None], **cfg: Any) -> RunResult:
@@ -70,6 +75,10 @@ def test_an_unseen_trainer_trains_glm4v_exactly_with_fsdp_compat_merely_installe
     assert ["model.visual.embeddings.position_embedding"] in ranks[0].extra["groups"]
     assert any(UNSAFE_TABLE in line for line in ranks[0].extra["log"]), ranks[0].extra["log"]
     for r in ranks:
+        # each rank's one line from the generic layer: what it changes in this run, the alignment included
+        generic = [line for line in r.extra["log"] if "generic layer" in line and UNSAFE_TABLE not in line]
+        assert len(generic) == 1 and generic[0].startswith(ANNOUNCED), r.extra["log"]
+        assert generic[0].endswith(ARMED_AND_ALIGNED), generic
         assert r.extra["guard_armed"] is True
         # once a step on every rank: a text rank's dummy tower call reads the table too, so the ranks agree
         assert r.extra["guard_unshards"] == 2, r.extra
@@ -85,11 +94,18 @@ def test_an_unseen_trainer_on_image_text_ranks_falls_out_of_step_when_only_the_g
 
 
 def test_a_text_model_keeps_the_trainers_groups_and_a_disarmed_guard() -> None:
-    result = run("qwen2", _variants("image"), {})  # a text model: the variant is ignored
+    """The groups pass the check and nothing is aligned: the generic layer says so at DEBUG only (the log captured
+    here from DEBUG up, each line with its level); no INFO line, and nothing about alignment."""
+    result = run("qwen2", _variants("image"), {}, debug_log=True)  # a text model: the variant is ignored
     _assert_exact(result)
     for r in result.ranks:
         assert r.extra["guard_armed"] is False and r.extra["guard_unshards"] == 0, r.extra
-    assert any(SAFE in line for line in result.ranks[0].extra["log"]), result.ranks[0].extra["log"]
+        assert r.extra["mixed_batches"]["installed"] == 0, r.extra
+        log = r.extra["log"]
+        safe = [line for line in log if line.startswith(SAFE) and line.endswith(SAFE_END)]
+        assert len(safe) == 1, log  # the check ran and passed
+        assert not [line for line in log if "generic layer" in line and not line.startswith("DEBUG ")], log
+        assert not [line for line in log if "alignment" in line], log
 
 
 def test_activation_after_the_trainer_bound_fully_shard_and_sharded_the_model() -> None:

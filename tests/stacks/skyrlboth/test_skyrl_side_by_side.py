@@ -112,8 +112,9 @@ _ORDER = """
     lines = []
     class H(logging.Handler):
         def emit(self, record):
-            lines.append(record.getMessage())
+            lines.append(f"{{record.levelname}} {{record.getMessage()}}")
     logging.getLogger("fsdp_compat").addHandler(H())
+    logging.getLogger("fsdp_compat").setLevel(logging.DEBUG)  # patch time logs what was patched at DEBUG
     UTILS = {utils!r}
     originals, late = {{}}, []
     for item in {order!r}:
@@ -173,5 +174,9 @@ def test_both_patched_in_every_import_order(order: tuple[str, ...]) -> None:
     assert out["patched"] == ["skyrl", "skyrl-train"], out
     for dist in UTILS:
         assert out[dist] == {"utils": True, "strategy": True}, (dist, out)
-    assert len(out["log"]) == 2 and all(line.startswith("fsdp-compat: patched skyrl") for line in out["log"]), out
+    # each distribution's own line, at DEBUG: nothing was called, so no INFO line yet (once one is, the process logs
+    # one INFO line at most, fsdp_compat.log.announce_once)
+    logged = sorted(line.split(" (policy ")[0] for line in out["log"])
+    assert logged == [f"DEBUG fsdp-compat: patched {d} {VERSIONS[d]}" for d in ("skyrl", "skyrl-train")], out
+    assert all(line.endswith(" (logged at INFO when first used)") for line in out["log"]), out
     assert out["restored"] and out["restored_strategy"] and out["mpp_removed"], out

@@ -292,7 +292,8 @@ def test_patch_rebinds_every_importer_and_unpatch_restores_exact_originals() -> 
 
 def _fake_release(fake: str) -> dict[str, Any]:
     """The adapter's table applied as if the installed verl were release ``fake``: whether it patched, which names of
-    ``verl.utils.fsdp_utils`` changed, the warnings and fsdp-compat's log lines."""
+    ``verl.utils.fsdp_utils`` changed, the warnings and fsdp-compat's log lines from DEBUG up, each starting with
+    its level (patch time logs what was patched at DEBUG; the INFO line waits for a replacement's first call)."""
     return _python(
         f"""
         import json, logging, warnings
@@ -302,8 +303,9 @@ def _fake_release(fake: str) -> dict[str, Any]:
         from fsdp_compat.adapters.verl import RELEASES
         lines = []
         handler = logging.Handler()
-        handler.emit = lambda record: lines.append(record.getMessage())
+        handler.emit = lambda record: lines.append(f"{{record.levelname}} {{record.getMessage()}}")
         logging.getLogger("fsdp_compat").addHandler(handler)
+        logging.getLogger("fsdp_compat").setLevel(logging.DEBUG)
         before = dict(vars(utils))
         class Fake(Adapter):
             def version_of(self, distribution):
@@ -325,18 +327,23 @@ def test_an_older_version_warns_and_patches_nothing() -> None:
 
 
 def test_a_newer_version_is_judged_by_the_recorded_fingerprint() -> None:
-    """A release newer than the range (0.10.1 here) over the installed code: patched, with one INFO line and no
-    warning, where that code is what fsdp-compat recorded for the newest tested release (0.9.1); else left alone
-    with one warning naming what changed (fsdp_compat.fingerprints)."""
+    """A release newer than the range (0.10.1 here) over the installed code: patched, with one DEBUG line naming the
+    fingerprint verdict (the INFO line, the same text, waits for the replacement's first call) and no warning, where
+    that code is what fsdp-compat recorded for the newest tested release (0.9.1); else left alone with one warning
+    naming what changed (fsdp_compat.fingerprints)."""
     out = _fake_release("0.10.1")
+    if out["ok"]:
+        assert [line for line in out["log"] if line.startswith(("INFO ", "WARNING ", "ERROR "))] == [], out
     if Version("0.9.1") == VERL:
         assert out["ok"] is True and out["changed"] == ["_select_fsdp2_wrap_targets"], out
         assert out["warnings"] == [], out
-        assert any("0.10.1 is newer than the tested range" in line and "unchanged from 0.9.1" in line
-                   for line in out["log"]), out  # fmt: skip
+        # the line the first call logs at INFO, logged at patch time at DEBUG: the verdict and what was patched
+        patched = [line for line in out["log"] if "0.10.1 is newer than the tested" in line and ", patched (" in line]
+        assert len(patched) == 1 and patched[0].startswith("DEBUG fsdp-compat: verl 0.10.1 is newer"), out
+        assert "unchanged from 0.9.1 (fingerprint), patched (policy auto, activated by import): " in patched[0], out
     elif out["ok"]:  # this release's code equals 0.9.1's in everything the adapter replaces
         assert out["changed"] == ["_select_fsdp2_wrap_targets"] and out["warnings"] == [], out
-        assert any("unchanged from 0.9.1" in line for line in out["log"]), out
+        assert any(line.startswith("DEBUG ") and "unchanged from 0.9.1" in line for line in out["log"]), out
     else:
         assert out["changed"] == [], out
         assert any("may have changed since 0.9.1" in w and "nothing was patched" in w for w in out["warnings"]), out
