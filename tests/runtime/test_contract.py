@@ -25,12 +25,14 @@ import importlib.util
 from typing import Any
 
 import pytest
-from lab.support import OFF, ON, WORLD_SIZE, rank_output
+from lab.support import BREADTH, OFF, ON, WORLD_SIZE, rank_output
 
 from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+# The envs that rerun tests/runtime on each torch a framework pins deselect the BREADTH cases (torch-independent
+# bookkeeping, or a mechanism another case proves there); core runs every case on torch 2.13.
 
 BODY = "lab.contract:contract_rank"
 
@@ -66,6 +68,7 @@ def test_generate_registered_with_fsdp2_as_the_first_call_then_training() -> Non
         assert r.extra["guard_unshards"] >= 2, r.extra  # armed: the trainer's rule gives the table its own group
 
 
+@BREADTH
 def test_a_dropped_model_is_freed_whoever_installed_the_runtime() -> None:
     result = _run("drop", {}, ways=["apply", "install", "own"], variants=("image", "text"))
     result.raise_for_error()
@@ -73,6 +76,7 @@ def test_a_dropped_model_is_freed_whoever_installed_the_runtime() -> None:
         assert r.extra["alive"] == {way: [False, False] for way in ("apply", "install", "own")}, r.extra
 
 
+@BREADTH
 def test_a_soak_that_rebuilds_the_model_keeps_memory_flat() -> None:
     """200 steps, the model rebuilt every 20 (an RL worker reloading its policy, a sweep): no model outlives its
     rebuild, and resident memory after the later rebuilds stays within 64 MiB of the third (allocator warm-up)."""
@@ -96,7 +100,7 @@ def test_the_error_that_prevents_a_hang_reaches_every_rank_through_the_generic_l
         assert GLOO_MISMATCH not in current_wording(r.error or ""), rank_output(result)
 
 
-@pytest.mark.parametrize("env", [OFF, {}], ids=["plain-fsdp2", "fsdp-compat"])
+@pytest.mark.parametrize("env", [pytest.param(OFF, marks=BREADTH), {}], ids=["plain-fsdp2", "fsdp-compat"])
 def test_a_forward_on_one_rank_with_every_group_unsharded_finishes(env: dict[str, str | None]) -> None:
     result = _run("one_rank_forward", env, shard="root", collective_timeout_s=30)
     result.raise_for_error()
@@ -115,6 +119,7 @@ def test_one_group_for_the_whole_model_is_aligned() -> None:
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks][:2] == [0, 2]
 
 
+@BREADTH
 @pytest.mark.skipif(
     importlib.util.find_spec("torch.distributed._composable.replicate_with_fsdp") is None,
     reason="this torch has no replicate() built on FSDP2's state (torch.distributed._composable.replicate_with_fsdp)",
@@ -151,7 +156,9 @@ def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_proces
     assert all(r.extra["plain_params_after_eval"] == 0 for r in result.ranks)
 
 
-@pytest.mark.parametrize("kinds", [("image",), ("image", "text")], ids=["image|image", "image|text"])
+@pytest.mark.parametrize(
+    "kinds", [pytest.param(("image",), marks=BREADTH), ("image", "text")], ids=["image|image", "image|text"]
+)
 def test_a_vlm_class_of_the_users_own_trains_exactly_once_its_row_is_registered(kinds: tuple[str, ...]) -> None:
     """``fsdp_compat.register_family`` (issue 36, the family table's public door): a patch encoder and a decoder of
     the user's own, no transformers class. With its row, 0.0 against one process (the text rank runs one dummy

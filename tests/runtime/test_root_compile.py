@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from lab.support import OFF, ON, WORLD_SIZE, rank_output
+from lab.support import BREADTH, OFF, ON, WORLD_SIZE, rank_output
 
 from fsdp_compat.testing.launch import RunResult, run_ranks
 
@@ -79,6 +79,7 @@ def _run(grouping: str, env: dict[str, str | None]) -> RunResult:
     return run_ranks(BODY, {"grouping": grouping}, world_size=WORLD_SIZE, timeout_s=300, env={**ON, **env})
 
 
+@BREADTH  # the torch-pinned envs run the unsafe grouping, which runs the safe one as its reference
 def test_a_compiled_root_on_a_safe_grouping_runs_as_plain_fsdp2_compiled() -> None:
     plain, ours = _run("safe", OFF), _run("safe", {})
     plain.raise_for_error()
