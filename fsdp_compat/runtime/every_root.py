@@ -166,7 +166,10 @@ def _announce(root: Any, runtime: Any, verdict: Arming) -> None:
     groups = len(sharded_groups(root))
     changes = []
     if runtime.guard is not None and runtime.guard.armed:
-        changes.append("run-time guard armed (" + ("unsafe groups" if verdict.unsafe else "no check ran") + ")")
+        from fsdp_compat.runtime.guard import guard_always_armed
+
+        why = "unsafe groups" if verdict.unsafe else "FSDP_COMPAT_GUARD=always" if guard_always_armed() else "unchecked"
+        changes.append(f"run-time guard armed ({why})")
     if runtime.mixed:
         changes.append("mixed micro-batch alignment installed")
     if changes:

@@ -48,7 +48,10 @@ class FirstPass:
         state = window.state if window is not None else None
         if self._grad or state is None:
             return
-        self._sharded = [g for g in tree_groups(state) if not g.is_unsharded or id(g) in self._ours]
+        try:
+            self._sharded = [g for g in tree_groups(state) if not g.is_unsharded or id(g) in self._ours]
+        except (AttributeError, TypeError):  # another torch's FSDP2 internals: FSDP2's own behaviour
+            self._sharded = []
         self._ours = set()
 
     def on_close(self, raised: bool) -> None:

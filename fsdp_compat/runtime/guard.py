@@ -79,6 +79,8 @@ _METADATA = frozenset(
 # FSDP2's own assertions (AssertionError) and value checks are not on this list: they are the user's errors.
 _INTERNALS_CHANGED = (AttributeError, TypeError, KeyError, IndexError)
 
+_STOOD_ASIDE: set[str] = set()  # the internals errors already reported in this process
+
 #: Where a model keeps its guard (``module.__dict__``): the module owns it, so it dies with the module.
 GUARD_ATTR = "_fsdp_compat_guard"
 # Guards in the order their groups are found: the same on every rank, counted per process group (a rank that joins a
@@ -368,11 +370,19 @@ class Guard:
             self._stand_aside(exc)
             return False
 
+    def stand_aside(self, exc: BaseException) -> None:
+        """The forward window cannot read FSDP2's internals on this torch (:mod:`.window`): stand aside for good."""
+        self._stand_aside(exc)
+
     def _stand_aside(self, exc: BaseException) -> None:
         if self._broken:
             return
         self._broken = True
         self._mode.keys = {}.keys()  # the rest of this forward: every op runs as without the guard
+        key = f"{type(exc).__name__}: {exc}"
+        if key in _STOOD_ASIDE:  # a fact of this torch, not of this model: once per process
+            return
+        _STOOD_ASIDE.add(key)
         logger.warning(
             "fsdp-compat: run-time guard disabled: this torch's FSDP2 internals differ from what it supports (%s: "
             "%s); FSDP2 runs as without fsdp-compat's guard",

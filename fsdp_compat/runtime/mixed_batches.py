@@ -403,11 +403,12 @@ class MixedBatches:
         root = self._root()
         if not isinstance(root, FSDPModule):
             return False
-        state = root._get_fsdp_state()
-        if not state._is_root:
+        try:
+            state = root._get_fsdp_state()
+            groups = tree_groups(state) if state._is_root else []
+            return bool(groups) and all(group.is_unsharded for group in groups)
+        except (AttributeError, TypeError):  # another torch's FSDP2 internals: exchange as always (safe)
             return False
-        groups = tree_groups(state)
-        return bool(groups) and all(group.is_unsharded for group in groups)
 
     _columns = 1  # values each rank exchanges: one per aligned tower
 

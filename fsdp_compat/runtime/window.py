@@ -71,6 +71,7 @@ class ForwardWindow:
         self.grad = True
         self.from_call = True
         self.subscribers: list[Subscriber] = []
+        self.broken: BaseException | None = None  # the internals error that keeps the window shut
         self._state: Any = None  # the root's FSDP2 state, once attached
         self._post_handle: Any = None
         self._pre_handle = root.register_forward_pre_hook(marked(self._module_pre_forward))
@@ -116,15 +117,15 @@ class ForwardWindow:
         cls = type(state)
 
         def _root_pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            before = state._state_ctx.iter_forward_root
+            before = self._pass_root(state)
             result = cls._root_pre_forward(state, module, args, kwargs)
-            if before is None and state._state_ctx.iter_forward_root is state:
+            if before is None and self._pass_root(state) is state:
                 self.from_call = from_module_call()
                 self.open()
             return result
 
         def _post_forward(module: nn.Module, inputs: Any, output: Any) -> Any:
-            ends = state._state_ctx.iter_forward_root is state
+            ends = self._pass_root(state) is state
             output = cls._post_forward(state, module, inputs, output)
             if ends:
                 self.close()
@@ -149,9 +150,25 @@ class ForwardWindow:
         if state is None:
             return
         self.attach(state)
-        if not self.is_open and state._state_ctx.iter_forward_root is state:
+        if not self.is_open and self._pass_root(state) is state:
             self.from_call = True
             self.open()
+
+    def _pass_root(self, state: Any) -> Any:
+        """FSDP2's ``iter_forward_root`` of ``state``'s tree (None between passes). Where this torch's FSDP2 has no
+        such field, the window never opens again, and every subscriber that relies on FSDP2 internals is told to
+        stand aside (the guard warns once): FSDP2 runs as without them."""
+        if self.broken is not None:
+            return _NEVER
+        try:
+            return state._state_ctx.iter_forward_root
+        except (AttributeError, TypeError) as exc:  # another torch release's FSDP2 internals
+            self.broken = exc
+            for subscriber in self.subscribers:
+                stand_aside = getattr(subscriber, "stand_aside", None)
+                if callable(stand_aside):
+                    stand_aside(exc)
+            return _NEVER
 
     def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.close(raised=output is None)
@@ -165,6 +182,9 @@ class ForwardWindow:
         self._detach()
         self.subscribers = []
         self._root.__dict__.pop(ATTR, None)
+
+
+_NEVER = object()  # a pass root no state is
 
 
 def window_of(root: nn.Module, *, create: bool = False) -> ForwardWindow | None:
@@ -183,7 +203,7 @@ def root_pre_forward_done(state: Any, module: nn.Module) -> None:
     """FSDP2's class-level ``_root_pre_forward`` just made ``state`` the pass's root (the generic layer's hook):
     open the window of the root's module, if it has one."""
     window = module.__dict__.get(ATTR)
-    if window is not None and not window.is_open:
+    if window is not None and not window.is_open and window.broken is None:
         window.attach(state)
         window.from_call = from_module_call()
         window.open()

@@ -499,10 +499,13 @@ def hide_from_guard(spec: str) -> None:
     cls_name, _, name = spec.partition(".")
     owner = owners[cls_name]
     original = owner.__dict__.get(name)
-    guard_file = os.path.realpath(guard.__file__)
+    from fsdp_compat.runtime import window
+
+    # the guard's own reads, and those of the forward window it subscribes to
+    guard_files = {os.path.realpath(guard.__file__), os.path.realpath(window.__file__)}
 
     def from_guard() -> bool:
-        return os.path.realpath(sys._getframe(2).f_code.co_filename) == guard_file
+        return os.path.realpath(sys._getframe(2).f_code.co_filename) in guard_files
 
     def get(self: Any) -> Any:
         if from_guard():
