@@ -101,6 +101,7 @@ def drop(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
     mesh = _mesh(cfg)
     alive: dict[str, list[bool]] = {}
+    extra["armed"] = {}
     for how in cfg["ways"]:
         model = build_model(cfg["model"], seed=0)
         _shard(model, how, mesh)
@@ -108,6 +109,11 @@ def drop(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
         batch = make_batch(cfg["model"], seed=100 + rank, variant=cfg["variants"][rank])
         model(**batch).loss.backward()
         opt.step()
+        from fsdp_compat.runtime.guard import guard_of
+
+        guard = guard_of(model)
+        extra["armed"][how] = None if guard is None else guard.armed
+        del guard
         refs = [weakref.ref(model), weakref.ref(next(model.parameters()))]
         del model, opt, batch
         gc.collect()

@@ -74,6 +74,9 @@ def test_a_dropped_model_is_freed_whoever_installed_the_runtime() -> None:
     result.raise_for_error()
     for r in result.ranks:
         assert r.extra["alive"] == {way: [False, False] for way in ("apply", "install", "own")}, r.extra
+        # the per-op check only where the plan or the group check cannot rule a sharded read out: fsdp-compat's own
+        # plan never needs it; the trainer's rule (the table's own group) does, by hand or through the generic layer
+        assert r.extra["armed"] == {"apply": False, "install": True, "own": True}, r.extra
 
 
 @BREADTH
