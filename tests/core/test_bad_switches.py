@@ -43,7 +43,7 @@ APPLY_TWICE = textwrap.dedent(
 @pytest.mark.parametrize(
     ("variable", "value", "choices"),
     [
-        ("FSDP_COMPAT_GUARD", "perhaps", "on or off"),
+        ("FSDP_COMPAT_GUARD", "perhaps", "on, always, off"),
         ("FSDP_COMPAT_MIXED_BATCHES", "sometimes", "sync, always, off"),
         ("FSDP_COMPAT_GUARD_AGREE_S", "soon", "positive number of seconds"),
     ],
