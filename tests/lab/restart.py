@@ -20,7 +20,30 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["restart_rank", "timeout_rank"]
+__all__ = ["assert_both_phases_exact", "free_port", "restart_rank", "timeout_rank"]
+
+
+def free_port() -> int:
+    """A loopback port free now (the new process group's, after the restart)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def assert_both_phases_exact(run: Any, guard_unshards: int | None = None) -> None:
+    """Both process groups of a :func:`restart_rank` run trained exactly (0.0), the text rank with its dummies, and
+    (where given) the guard acting ``guard_unshards`` times in each."""
+    run.raise_for_error()
+    for rank in run.ranks:
+        second = rank.extra["second"]
+        assert second["ok"], second.get("error")
+        for phase in (rank.extra["first"], second):
+            assert phase["grad_diff"] == 0.0 and phase["param_diff"] == 0.0, phase
+            if guard_unshards is not None:
+                assert phase["guard_unshards"] == guard_unshards, phase  # the guard acted in both groups
+            assert phase["mixed_batches"]["dummy_calls"] == 2 * rank.rank, phase  # the text rank's dummies
 
 
 def _phase(cfg: dict[str, Any], rank: int, port: int, extra: dict[str, Any]) -> None:

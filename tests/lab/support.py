@@ -79,6 +79,16 @@ OFF: dict[str, str | None] = {**ON, "FSDP_COMPAT": "off"}
 MIXED_OFF: dict[str, str | None] = {**ON, "FSDP_COMPAT_MIXED_BATCHES": "off"}
 
 
+def assert_ranks_exact(result: Any) -> None:
+    """Every rank of a ``run_ranks`` result that trained against one process (``lab.every_root``,
+    ``lab.contract``): 0.0 in gradients and parameters, and its losses equal to the reference's."""
+    result.raise_for_error()
+    for r in result.ranks:
+        assert r.extra["grad_diff"] == 0.0, (r.rank, r.extra["worst_grad_param"], r.extra["grad_diff"])
+        assert r.extra["param_diff"] == 0.0, (r.rank, r.extra["worst_param"], r.extra["param_diff"])
+        assert r.extra["losses"] == r.extra["reference_losses"], r.extra
+
+
 def rank_output(result: Any) -> str:
     """Every rank's traceback and output tail of a ``RunResult`` (a rank that gloo aborts reports only its
     output)."""

@@ -25,7 +25,7 @@ import importlib.util
 from typing import Any
 
 import pytest
-from lab.support import BREADTH, OFF, ON, WORLD_SIZE, rank_output
+from lab.support import BREADTH, OFF, ON, WORLD_SIZE, assert_ranks_exact, rank_output
 
 from fsdp_compat.testing.crashes import GLOO_MISMATCH
 from fsdp_compat.testing.launch import RunResult, current_wording, run_ranks
@@ -45,14 +45,6 @@ def _run(case: str, env: dict[str, str | None], *, variants: tuple[str, ...] = (
     )  # fmt: skip
 
 
-def _assert_exact(result: RunResult) -> None:
-    result.raise_for_error()
-    for r in result.ranks:
-        assert r.extra["grad_diff"] == 0.0, (r.rank, r.extra["worst_grad_param"], r.extra["grad_diff"])
-        assert r.extra["param_diff"] == 0.0, (r.rank, r.extra["worst_param"], r.extra["param_diff"])
-        assert r.extra["losses"] == r.extra["reference_losses"], r.extra
-
-
 def _errors(result: RunResult) -> str:
     """Every rank's traceback and output tail, in the current torch's wording of the same failures."""
     return current_wording(rank_output(result))
@@ -62,7 +54,7 @@ def test_generate_registered_with_fsdp2_as_the_first_call_then_training() -> Non
     off = _run("generate_first", OFF, shard="own")
     assert not off.ok and "aten.grid_sampler_2d.default got mixed" in _errors(off), rank_output(off)
     result = _run("generate_first", {}, shard="own", variants=("image", "text"))
-    _assert_exact(result)
+    assert_ranks_exact(result)
     for r in result.ranks:
         assert r.extra["modes_after_generate"] == 0, r.extra  # the guard's mode closed with FSDP2's post-forward
         assert r.extra["guard_unshards"] >= 2, r.extra  # armed: the trainer's rule gives the table its own group
@@ -118,7 +110,7 @@ def test_one_group_for_the_whole_model_is_aligned() -> None:
     off = _run("train", OFF, shard="root", variants=("image", "text"), collective_timeout_s=60)
     assert not off.ok and GLOO_MISMATCH in _errors(off), rank_output(off)
     result = _run("train", {}, shard="root", variants=("image", "text"))
-    _assert_exact(result)
+    assert_ranks_exact(result)
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks][:2] == [0, 2]
 
 
@@ -134,20 +126,10 @@ def test_replicate_roots_are_aligned_and_survive_a_restart() -> None:
     made (rank 1 a fresh interpreter) and a fresh replicated model trains exactly again."""
     off = _run("train", OFF, shard="replicate", variants=("image", "text"), collective_timeout_s=60)
     assert not off.ok and GLOO_MISMATCH in _errors(off), rank_output(off)
-    import socket
+    from lab.restart import assert_both_phases_exact, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    cfg = {"model": "glm4v", "steps": 2, "variants": ["image", "text"], "second_port": port, "rule": "replicate"}
-    run = run_ranks("lab.restart:restart_rank", cfg, world_size=2, timeout_s=240, env={**ON})
-    run.raise_for_error()
-    for rank in run.ranks:
-        second = rank.extra["second"]
-        assert second["ok"], second.get("error")
-        for phase in (rank.extra["first"], second):
-            assert phase["grad_diff"] == 0.0 and phase["param_diff"] == 0.0, phase
-            assert phase["mixed_batches"]["dummy_calls"] == 2 * rank.rank, phase  # the text rank's dummies
+    cfg = {"model": "glm4v", "steps": 2, "variants": ["image", "text"], "second_port": free_port(), "rule": "replicate"}
+    assert_both_phases_exact(run_ranks("lab.restart:restart_rank", cfg, world_size=2, timeout_s=240, env={**ON}))
 
 
 def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_process() -> None:
@@ -155,7 +137,7 @@ def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_proces
     off.raise_for_error()
     assert all(r.extra["param_diff"] > 1e-4 for r in off.ranks), [r.extra["param_diff"] for r in off.ranks]
     result = _run("train_after_no_grad_first", {}, shard="own", model="qwen2")
-    _assert_exact(result)
+    assert_ranks_exact(result)
     assert all(r.extra["plain_params_after_eval"] == 0 for r in result.ranks)
 
 
@@ -177,6 +159,6 @@ def test_a_vlm_class_of_the_users_own_trains_exactly_once_its_row_is_registered(
         text = _errors(unregistered)
         assert not unregistered.ok and (GLOO_MISMATCH in text or "Timed out waiting" in text), text
     result = _run("own_vlm", {}, register=True, **cfg)
-    _assert_exact(result)
+    assert_ranks_exact(result)
     expected = [2 if kinds[r % len(kinds)] == "text" else 0 for r in range(WORLD_SIZE)]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == expected

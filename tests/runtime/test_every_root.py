@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from lab.support import WORLD_SIZE
+from lab.support import WORLD_SIZE, assert_ranks_exact
 
 from fsdp_compat.testing.launch import RunResult, run_ranks
 
@@ -50,14 +50,6 @@ def _variants(*kinds: str) -> list[str]:
     return [kinds[r % len(kinds)] for r in range(WORLD_SIZE)]
 
 
-def _assert_exact(result: RunResult) -> None:
-    result.raise_for_error()
-    for r in result.ranks:
-        assert r.extra["grad_diff"] == 0.0, (r.rank, r.extra["worst_grad_param"], r.extra["grad_diff"])
-        assert r.extra["param_diff"] == 0.0, (r.rank, r.extra["worst_param"], r.extra["param_diff"])
-        assert r.extra["losses"] == r.extra["reference_losses"], r.extra
-
-
 @pytest.mark.parametrize("switch", [{"FSDP_COMPAT": "off"}, {"FSDP_COMPAT_GENERIC": "off"}], ids=["off", "generic-off"])
 def test_an_unseen_trainer_crashes_on_glm4v_without_the_generic_layer(switch: dict[str, str]) -> None:
     result = run("glm4v", _variants("image"), switch)
@@ -69,7 +61,7 @@ def test_an_unseen_trainer_crashes_on_glm4v_without_the_generic_layer(switch: di
 @pytest.mark.parametrize("kinds", [("image",), ("image", "text")], ids=["image|image", "image|text"])
 def test_an_unseen_trainer_trains_glm4v_exactly_with_fsdp_compat_merely_installed(kinds: tuple[str, ...]) -> None:
     result = run("glm4v", _variants(*kinds), {})
-    _assert_exact(result)
+    assert_ranks_exact(result)
     ranks = result.ranks
     # the trainer's own groups are kept, the table's included; its check warns on rank 0 and arms the guard
     assert ["model.visual.embeddings.position_embedding"] in ranks[0].extra["groups"]
@@ -97,7 +89,7 @@ def test_a_text_model_keeps_the_trainers_groups_and_a_disarmed_guard() -> None:
     """The groups pass the check and nothing is aligned: the generic layer says so at DEBUG only (the log captured
     here from DEBUG up, each line with its level); no INFO line, and nothing about alignment."""
     result = run("qwen2", _variants("image"), {}, debug_log=True)  # a text model: the variant is ignored
-    _assert_exact(result)
+    assert_ranks_exact(result)
     for r in result.ranks:
         assert r.extra["guard_armed"] is False and r.extra["guard_unshards"] == 0, r.extra
         assert r.extra["mixed_batches"]["installed"] == 0, r.extra
@@ -111,5 +103,5 @@ def test_a_text_model_keeps_the_trainers_groups_and_a_disarmed_guard() -> None:
 def test_activation_after_the_trainer_bound_fully_shard_and_sharded_the_model() -> None:
     """No ``.pth`` hook: fsdp-compat is imported after ``fully_shard`` was bound and applied; still exact."""
     result = run("glm4v", _variants("image", "text"), {"FSDP_COMPAT_AUTOLOAD": "off"}, activate="late")
-    _assert_exact(result)
+    assert_ranks_exact(result)
     assert all(r.extra["guard_armed"] is True for r in result.ranks)

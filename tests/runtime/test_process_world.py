@@ -4,36 +4,22 @@ process trains exactly, as plain FSDP2 does, and fsdp-compat's own waits end at 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+from lab.restart import assert_both_phases_exact, free_port
 
 from fsdp_compat.testing.launch import run_ranks
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_restarted_process_group_trains_exactly_with_the_guard_and_the_alignment_acting() -> None:
     run = run_ranks(
         "lab.restart:restart_rank",
-        {"model": "glm4v", "steps": 2, "variants": ["image", "text"], "second_port": _free_port()},
+        {"model": "glm4v", "steps": 2, "variants": ["image", "text"], "second_port": free_port()},
         world_size=2,
         timeout_s=200,
     )
-    run.raise_for_error()
-    for rank in run.ranks:
-        second = rank.extra["second"]
-        assert second["ok"], second.get("error")
-        for phase in (rank.extra["first"], second):
-            assert phase["grad_diff"] == 0.0 and phase["param_diff"] == 0.0, phase
-            assert phase["guard_unshards"] == 2, phase  # the guard acted in both groups
-            assert phase["mixed_batches"]["dummy_calls"] == 2 * rank.rank, phase  # the text rank's dummies
+    assert_both_phases_exact(run, guard_unshards=2)
 
 
 def test_the_mixed_batch_exchange_fails_at_the_jobs_timeout_not_gloos_default() -> None:
