@@ -187,10 +187,12 @@ def test_legacy_crashes_where_auto_trains(name: str, crash: str) -> None:
 def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
     result = run_training(
         name, "fsdp_compat.testing.wraps:core_auto", steps=3, timeout_s=300, device=DEVICE, world_size=WORLD_SIZE,
-        probe="lab.guard_models:guard_report",
+        probe="lab.guard_models:guard_report", env={"FSDP_COMPAT_GUARD": "always"},
     )
     result.raise_for_error()
-    for rank in result.ranks:  # the guard is on and must stay idle: the static plan alone carries every zoo model
+    # the guard's per-op check armed on fsdp-compat's own plan (by default it is not: the plan needs none) must stay
+    # idle: the static plan alone carries every zoo model
+    for rank in result.ranks:
         report = rank.extra["probe"]
         assert report["guards"] == 1 and report["unshards"] == 0 and not report["events"], report
     print(

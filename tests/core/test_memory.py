@@ -89,10 +89,11 @@ def test_split_everything_in_the_root_stays_safe(name: str) -> None:
 @pytest.mark.parametrize("name", ["gemma3n", "glm4v"])
 def test_split_root_trains_with_exact_parity(name: str) -> None:
     """2 gloo ranks, a different batch each, ``Auto(split_root_min_bytes=0)``: gradients and post-AdamW parameters
-    equal the single-process reference exactly (0.0), and the run-time guard stays idle."""
+    equal the single-process reference exactly (0.0), and the run-time guard, its per-op check armed
+    (``FSDP_COMPAT_GUARD=always``), stays idle."""
     result = run_training(
         name, "lab.wraps:auto_split_all", steps=3, timeout_s=300, device=DEVICE,
-        world_size=WORLD_SIZE, probe="lab.guard_models:guard_report",
+        world_size=WORLD_SIZE, probe="lab.guard_models:guard_report", env={"FSDP_COMPAT_GUARD": "always"},
     )
     result.raise_for_error()
     for rank in result.ranks:
