@@ -159,6 +159,8 @@ def test_doctor_stands_aside_when_switched_off(
 
     environment.install(VERL_ENV)
     monkeypatch.setenv("FSDP_COMPAT", "off")
+    for entry in ADAPTERS.values():  # a process started with FSDP_COMPAT=off loads none (tests before this one may)
+        monkeypatch.delitem(sys.modules, entry.module, raising=False)
     found, _ = installed()
     assert [item.action for item in found] == ["stands-aside"] * len(found)
     assert {item.how for item in found} == {
