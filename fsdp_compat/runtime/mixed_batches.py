@@ -539,17 +539,15 @@ def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 class _Medium:
-    """An aligned tower besides the vision tower (an :class:`~.vlm_families.AudioTower` or a
-    :class:`~.vlm_families.VideoTower`): its row, and this forward's calls and target (None: not counting)."""
+    """One aligned tower of a family: the vision tower (``kind`` "vision", no ``spec``: the row itself says how to
+    call it), or one besides it (an :class:`~.vlm_families.AudioTower` or a :class:`~.vlm_families.VideoTower`): its
+    row, and this forward's calls and target (None: not counting)."""
 
     def __init__(self, spec: Any, kind: str) -> None:
         self.spec = spec
-        self.kind = kind  # "audio" (counted in audio_dummy_calls) or "video" (in dummy_calls)
+        self.kind = kind  # "vision", "audio" (counted in audio_dummy_calls) or "video" (in dummy_calls)
         self.calls = 0
         self.target: int | None = None
-
-
-_VISION = None  # the vision tower's place in a forward's order of media (the media are _Medium objects)
 
 #: Inner models whose forward calls a medium through the vision tower itself (Nemotron-H Omni's videos): the
 #: method that makes that call, wrapped on the instance, finds its hooks here (a deep copy finds none).
@@ -580,8 +578,7 @@ class _KnownFamily(MixedBatches):
         self.path = path
         self.family = family
         self._inner = weakref.ref(inner)
-        self._calls = 0
-        self._target: int | None = None  # tower calls every rank makes in this forward; None = not counting
+        self._vision = _Medium(None, "vision")  # its calls and target: tower calls every rank makes in this forward
         self._exchanged = False  # the root's pre-forward exchanged this forward's counts (the inner forward's own)
         self._zero: torch.Tensor | None = None  # dummies' zero term, joining the text model's inputs_embeds
         self._device = torch.device("cpu")  # where this forward computes (its first tensor input)
@@ -606,7 +603,7 @@ class _KnownFamily(MixedBatches):
         self._columns = 1 + len(self._media) + (len(family.inputs) if self._per_image is not None else 0)
         # the forward's order: media before the vision tower, the vision tower, then videos, then audio
         after = sorted((m for m in self._media if m.spec.after_vision), key=lambda m: m.kind != "video")
-        self._order: list[_Medium | None] = [m for m in self._media if not m.spec.after_vision] + [_VISION, *after]
+        self._order: list[_Medium] = [m for m in self._media if not m.spec.after_vision] + [self._vision, *after]
         self._shared: list[str] = []
         for medium in self._media:
             medium_tower = inner.get_submodule(medium.spec.tower)
@@ -619,6 +616,22 @@ class _KnownFamily(MixedBatches):
             # own FSDP2 pre-forward (its all-gathers) where the tower is a group itself
             hook = functools.partial(self._on_medium_call, medium)
             self._handles.append(medium_tower.register_forward_pre_hook(marked(hook), prepend=True))
+
+    @property
+    def _calls(self) -> int:
+        return self._vision.calls
+
+    @_calls.setter
+    def _calls(self, value: int) -> None:
+        self._vision.calls = value
+
+    @property
+    def _target(self) -> int | None:
+        return self._vision.target
+
+    @_target.setter
+    def _target(self, value: int | None) -> None:
+        self._vision.target = value
 
     def remove(self) -> None:
         super().remove()
@@ -790,7 +803,7 @@ class _KnownFamily(MixedBatches):
         if self._shared_depth:  # a medium's call through the vision tower (counted as that medium's)
             return
         if self._target is not None:
-            self._top_up_before(_VISION, self._device)  # the media the forward runs before its vision tower
+            self._top_up_before(self._vision, self._device)  # the media the forward runs before its vision tower
             self._calls += 1
 
     def _on_medium_call(self, medium: _Medium, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -809,12 +822,12 @@ class _KnownFamily(MixedBatches):
         finally:
             self._shared_depth -= 1
 
-    def _top_up_before(self, entry: _Medium | None, device: torch.device) -> None:
+    def _top_up_before(self, entry: _Medium, device: torch.device) -> None:
         for earlier in self._order[: self._order.index(entry)]:
             self._top_up(earlier, device)
 
-    def _top_up(self, entry: _Medium | None, device: torch.device) -> None:
-        if entry is _VISION:
+    def _top_up(self, entry: _Medium, device: torch.device) -> None:
+        if entry is self._vision:
             self._vision_top_up(device)
         else:
             self._medium_top_up(entry)
@@ -917,7 +930,7 @@ class _KnownFamily(MixedBatches):
     def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # every dummy still owed, in the forward's order (a medium before the vision tower runs first, as it would)
         for entry in self._order:
-            if entry is not _VISION:
+            if entry is not self._vision:
                 self._medium_top_up(entry)
             elif self._target is not None and self._calls < self._target:
                 self._vision_top_up(_inputs_embeds(module, args, kwargs)[1].device)
