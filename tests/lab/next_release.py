@@ -55,15 +55,20 @@ _CODE = """
 """
 
 
-def fake_next_release(key: str, distribution: str, version: str, timeout_s: float = 240) -> dict[str, Any]:
+def fake_next_release(
+    key: str, distribution: str, version: str, timeout_s: float = 240, prelude: str = ""
+) -> dict[str, Any]:
     """What the ``key`` adapter does for ``distribution`` reported as ``version`` over the installed code: whether it
     patched, what it replaced (``describe()``), the fingerprint verdict, the warnings and fsdp-compat's log lines
-    (DEBUG included), and what stays replaced after ``unpatch()``."""
-    code = _CODE.format(module=ADAPTERS[key].module, key=key, distribution=distribution, version=version)
+    (DEBUG included), and what stays replaced after ``unpatch()``. ``prelude``: statements run first (a workaround a
+    framework needs on this Python, as SkyRL's tests set ``typing.TypedDict`` on 3.11)."""
+    code = textwrap.dedent(prelude) + textwrap.dedent(
+        _CODE.format(module=ADAPTERS[key].module, key=key, distribution=distribution, version=version)
+    )
     env = {**os.environ, "FSDP_COMPAT": "off", "VERL_USE_EXTERNAL_PLUGINS": "none"}
     env.pop("FSDP_COMPAT_POLICY", None)
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -17,6 +17,9 @@ from lab.next_release import assert_judged, fake_next_release
 
 pytestmark = pytest.mark.timeout(300)
 
+#: Python 3.11: skyrl 0.2-0.4 declare pydantic models over ``typing.TypedDict``, which pydantic rejects before 3.12
+#: (lab.stacks.skyrl_ranks applies the same workaround)
+PRELUDE = "import typing, typing_extensions\ntyping.TypedDict = typing_extensions.TypedDict\n"
 #: distribution -> the first release past the adapter's range (fsdp_compat.adapter_index)
 NEXT = {"skyrl-train": "0.4.0", "skyrl": "0.5.0"}
 
@@ -36,6 +39,6 @@ def test_the_next_release_over_unchanged_code_is_patched_by_fingerprint() -> Non
     installed = _installed()
     assert installed, "neither skyrl-train nor skyrl is installed (tests/stacks/skyrl runs only where one is)"
     for distribution in installed:
-        out = fake_next_release("skyrl", distribution, NEXT[distribution])
+        out = fake_next_release("skyrl", distribution, NEXT[distribution], prelude=PRELUDE)
         how = assert_judged(out, distribution, NEXT[distribution])
         print(f"{distribution} {metadata.version(distribution)} as {NEXT[distribution]}: {how}")
