@@ -233,7 +233,9 @@ def _installed_item(key: str, distribution: str, raw: str, patched: dict[str, tu
     ):
         item.action, item.how = "patched-on-import", how
     else:
-        item.how = _aside(key, verdict, raw, spec) if how is None or not item.imported else "the log says why"
+        # imported but not patched: the log says why, unless activation is off, which is the reason then
+        known = how is None or not item.imported or not automatic_activation_enabled()
+        item.how = _aside(key, verdict, raw, spec) if known else "the log says why"
     item.notes = _notes(distribution, raw)
     return item
 

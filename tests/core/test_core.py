@@ -194,7 +194,8 @@ def test_auto_trains_every_zoo_model_with_exact_parity(name: str) -> None:
     # idle: the static plan alone carries every zoo model
     for rank in result.ranks:
         report = rank.extra["probe"]
-        assert report["guards"] == 1 and report["unshards"] == 0 and not report["events"], report
+        # >= 1: the harness's one-weight probe root may still be alive (armed too under "always"), idle as well
+        assert report["guards"] >= 1 and report["unshards"] == 0 and not report["events"], report
     print(
         f"{name}: max|Δgrad| {result.max_abs_grad_diff:.3g} (rel {result.max_rel_grad_diff:.3g}), "
         f"max|Δparam| {result.max_abs_param_diff:.3g} (rel {result.max_rel_param_diff:.3g})"

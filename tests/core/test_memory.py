@@ -98,6 +98,7 @@ def test_split_root_trains_with_exact_parity(name: str) -> None:
     result.raise_for_error()
     for rank in result.ranks:
         report = rank.extra["probe"]
-        assert report["guards"] == 1 and report["unshards"] == 0 and not report["events"], report
+        # >= 1: the harness's one-weight probe root may still be alive (armed too under "always"), idle as well
+        assert report["guards"] >= 1 and report["unshards"] == 0 and not report["events"], report
         assert any("split-from-root" in line for line in str(rank.extra["wrap"]).splitlines()), rank.extra["wrap"]
     assert result.max_abs_grad_diff == 0.0 and result.max_abs_param_diff == 0.0
