@@ -1,4 +1,4 @@
-"""Plain FSDP2's contract, kept by fsdp-compat's run-time layer in every job it touches (issue 36).
+"""Plain FSDP2's contract, kept by fsdp-compat's run-time layer in every job it touches.
 
 fsdp-compat puts its run-time layer on every FSDP2 root (the generic layer; ``apply_fsdp2`` and the adapters install
 it themselves). Each case runs on 2 gloo ranks, fp32, each rank on its own micro-batch, and first shows what the same
@@ -146,12 +146,12 @@ def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_proces
 @BREADTH  # the table's door is fsdp-compat's own code, the same on every torch
 @pytest.mark.parametrize("kinds", [("image",), ("image", "text")], ids=["image|image", "image|text"])
 def test_a_vlm_class_of_the_users_own_trains_exactly_once_its_row_is_registered(kinds: tuple[str, ...]) -> None:
-    """``fsdp_compat.register_family`` (issue 36, the family table's public door): a patch encoder and a decoder of
+    """``fsdp_compat.register_family`` (the family table's public door): a patch encoder and a decoder of
     the user's own, no transformers class. With its row, 0.0 against one process (the text rank runs one dummy
     encoder call a step).
 
-    Unregistered, image|text ranks fall out of step exactly as without fsdp-compat (issue 37: alignment by
-    mechanism for such a model is not built yet)."""
+    Unregistered, image|text ranks fall out of step exactly as without fsdp-compat (no alignment by
+    mechanism for a model without a row yet)."""
     cfg = {"model": "lab.own_vlm:TINY", "variants": list(kinds), "shard": "own"}
     if len(kinds) > 1:
         # the encoder's and the decoder's blocks are the same size: the ranks' all-gathers pair up wrongly (unrelated

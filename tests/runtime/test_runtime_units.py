@@ -1,4 +1,4 @@
-"""Small promises of the run-time layer, checked in one process without a process group (issue 36's item 7)."""
+"""Small promises of the run-time layer, checked in one process without a process group."""
 
 from __future__ import annotations
 
