@@ -11,7 +11,8 @@ import importlib
 import sys
 import time
 
-NAMES = ("skeletons", "startup", "policies", "guard", "no_grad", "mixed_batches", "exchange", "schedule", "matrix")
+NAMES = ("skeletons", "startup", "policies", "guard", "no_grad", "mixed_batches", "exchange", "schedule", "mechanism",
+         "matrix")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

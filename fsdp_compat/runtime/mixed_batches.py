@@ -86,6 +86,7 @@ from fsdp_compat.runtime.vlm_families import (
     sized_inputs,
     tile_inputs,
 )
+from fsdp_compat.runtime.vlm_families.refused import refusal
 
 __all__ = [
     "ENV_MIXED_BATCHES",
@@ -155,11 +156,14 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
         return mixed_batches_of(model)
     remove_mixed_batches(model)
     installed: list[MixedBatches] = []
+    towerless = False  # a family of the table built without its tower (a text-only configuration): nothing to align
     for path, module in model.named_modules():
         family = _family_of(module)
+        if family is not None and not _has_module(module, family.tower):
+            towerless = True
         if (
             family is not None
-            and callable(getattr(module, "get_image_features", None))
+            and (family.cross_attention is not None or callable(getattr(module, "get_image_features", None)))
             and all(_has_module(module, a) for a in (family.tower, family.text))
         ):
             if mode == "off":
@@ -167,7 +171,7 @@ def install_mixed_batches(model: nn.Module, mode: str | None = None) -> list[Mix
                 installed.append(MixedBatches(model, tower, f"{path}.{family.tower}" if path else family.tower, mode))
             else:
                 installed.append(_KnownFamily(model, module, path, family, mode))
-    if not installed:
+    if not installed and not towerless:
         unknown = _unknown_vlm(model, mode)
         if unknown is not None:
             installed.append(unknown)
@@ -343,10 +347,12 @@ class MixedBatches:
     This base class alone (mode ``off``) makes tower calls outside the model's forward work and wraps ``generate``;
     the subclasses add the alignment."""
 
-    def __init__(self, root: nn.Module, tower: nn.Module, path: str, mode: str) -> None:
+    def __init__(self, root: nn.Module, tower: nn.Module | None, path: str, mode: str) -> None:
+        """``tower`` None: no tower is known before the forward runs (:mod:`.replay`); the root stands for it where
+        the hooks ask whether FSDP2 manages it, and no tower call outside the forward is watched."""
         self.root_class = type(root).__name__
         self._root = weakref.ref(root)
-        self._tower = weakref.ref(tower)
+        self._tower = weakref.ref(root if tower is None else tower)
         self.path = path
         self.mode = mode
         self.dummy_calls = 0
@@ -358,12 +364,13 @@ class MixedBatches:
         self._ranks: tuple[int, ...] = ()
         self._depth = 0  # forwards of the root in flight
         self._generating: list[int] = []  # per generate() call in flight: the root forwards it has run
-        self._enclosing = _enclosing_paths(root, tower)
+        self._enclosing = _enclosing_paths(root, tower) if tower is not None else ()
         self._handles: list[Any] = [
             root.register_forward_pre_hook(marked(self._root_pre_forward), with_kwargs=True),
             root.register_forward_hook(marked(self._root_post_forward), always_call=True),
-            tower.register_forward_pre_hook(marked(self._on_tower_call), prepend=True),
         ]
+        if tower is not None:
+            self._handles.append(tower.register_forward_pre_hook(marked(self._on_tower_call), prepend=True))
         self._generate = _wrap_generate(root)
 
     def remove(self) -> None:
@@ -549,6 +556,7 @@ class _Medium:
         self.calls = 0
         self.target: int | None = None
 
+
 #: Inner models whose forward calls a medium through the vision tower itself (Nemotron-H Omni's videos): the
 #: method that makes that call, wrapped on the instance, finds its hooks here (a deep copy finds none).
 _SHARED_ATTR = "_fsdp_compat_shared_media"  # in the inner model's ``__dict__``: method name -> its hooks
@@ -583,6 +591,9 @@ class _KnownFamily(MixedBatches):
         self._zero: torch.Tensor | None = None  # dummies' zero term, joining the text model's inputs_embeds
         self._device = torch.device("cpu")  # where this forward computes (its first tensor input)
         self._shared_depth = 0  # > 0 inside a medium's call through the vision tower: not a vision call
+        # a cross-attention row (Mllama): a vision dummy ran in this forward, so the cross-attention layers run too
+        self._cross_owed = False
+        self._cross_caches: weakref.WeakSet[Any] = weakref.WeakSet()  # caches holding a dummy's zero states
         self._handles += [
             inner.register_forward_pre_hook(marked(self._pre_forward), with_kwargs=True),
             inner.register_forward_hook(marked(self._post_forward), always_call=True),
@@ -775,6 +786,7 @@ class _KnownFamily(MixedBatches):
 
     def _end(self) -> None:
         self._target, self._exchanged, self._zero = None, False, None
+        self._cross_owed = False
         self._images = ()
         self._set_media([None] * len(self._media))
 
@@ -782,6 +794,7 @@ class _KnownFamily(MixedBatches):
         self._reset_calls()
         if self._exchanged:  # decided at the root's pre-forward
             self._exchanged = False
+            self._tower_first(module, args, kwargs)
             return
         self._target = None
         self._set_media([None] * len(self._media))
@@ -794,6 +807,27 @@ class _KnownFamily(MixedBatches):
             self._always(own, own_media)
         else:
             self._set_target(own, own_media, self._exchange(own, *own_media, *self._own_images(inputs)))
+        self._tower_first(module, args, kwargs)
+
+    def _tower_first(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A row whose forward calls the tower before it embeds the text (``VisionFamily.tower_first``, Ovis2.5):
+        the dummies this rank owes run here, at the start of the inner forward, so that their tower calls come
+        before the input embedding's all-gather as the real calls do on the other ranks (the tower's groups gather
+        the same whichever call runs first); their zero terms still join the text model's ``inputs_embeds``. A
+        forward given ``inputs_embeds`` embeds nothing: its dummies run before the text model, as for every row."""
+        if not self.family.tower_first or self._target is None:
+            return
+        inputs = _bind(module, args, kwargs)
+        own = self._own_calls(inputs)
+        if inputs.get("inputs_embeds") is not None or own >= self._target:
+            return
+        inner = self._inner()
+        assert inner is not None
+        missing, self._target = self._target - own, None  # the dummies' own tower calls are not counted
+        for _ in range(missing):
+            self._join(self._dummy_zero(inner, self._dummy(inner, self._device)))
+            self.dummy_calls += 1
+        self._target = own  # the forward's own calls complete it
 
     def _post_forward(self, *_: Any) -> None:
         self._target = None
@@ -896,7 +930,10 @@ class _KnownFamily(MixedBatches):
     def _dummy_zero(self, inner: nn.Module, dummy: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """One dummy tower call's zero term: ``get_image_features`` on ``dummy``, then, where the row names a
         projector the forward applies outside it (Llama4), that projector on the output's ``projected`` field."""
-        out = inner.get_image_features(**dummy)
+        if self.family.cross_attention is not None:  # no get_image_features: the forward calls the tower itself
+            out = inner.get_submodule(self.family.tower)(**dummy)
+        else:
+            out = inner.get_image_features(**dummy)
         if self.family.projector:
             features = _field(out, self.family.projected)
             if isinstance(features, (tuple, list)):  # a tuple output (config.return_dict False): its first field
@@ -923,11 +960,14 @@ class _KnownFamily(MixedBatches):
         inner = self._inner()
         assert inner is not None
         missing, self._target = self._target - self._calls, None  # the dummies' own tower calls are not counted
+        self._cross_owed = self.family.cross_attention is not None
         for call in range(self._calls, self._calls + missing):
             self._join(self._dummy_zero(inner, self._dummy(inner, device, call)))
             self.dummy_calls += 1
 
     def _before_text_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.family.cross_attention is not None:
+            return self._before_cross_attention(module, args, kwargs)
         # every dummy still owed, in the forward's order (a medium before the vision tower runs first, as it would)
         for entry in self._order:
             if entry is not self._vision:
@@ -943,6 +983,68 @@ class _KnownFamily(MixedBatches):
             return args, {**kwargs, name: embeds}
         index = list(inspect.signature(module.forward).parameters).index(name)
         return (*args[:index], embeds, *args[index + 1 :]), kwargs
+
+    def _before_cross_attention(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The join point of a cross-attention row (:class:`~.vlm_families.CrossAttention`, Mllama): the vision
+        states are keywords of the text model's call, and the text model skips its cross-attention layers (FSDP2
+        groups of their own) without them. Where this forward ran a vision dummy, or has a dummy's zero term to
+        join, and has no states of its own, the text model gets zero states of one vision token per row (plus that
+        zero term), a zero additive mask and an all-zero row mask: those layers run, and return their input exactly
+        (zero keys and values attend to 0, the MLP output is multiplied by 0), every parameter of theirs with a
+        gradient of exactly 0. A rank with states of its own gets the zero term added to them. A forward that
+        decodes from a cache holding such zero states (``generate``) runs those layers again on every rank: it gets
+        the all-zero row mask again."""
+        cross = self.family.cross_attention
+        assert cross is not None
+        inputs = _bind(module, args, kwargs)
+        text = inputs.get("inputs_embeds")
+        text = inputs.get("input_ids") if text is None else text
+        device = text.device if isinstance(text, torch.Tensor) else self._device
+        for entry in self._order:  # every dummy still owed, in the forward's order
+            self._top_up(entry, device)
+        owed, self._cross_owed = self._cross_owed, False
+        zero, self._zero = self._zero, None
+        states = inputs.get(cross.states)
+        cache = next((inputs[name] for name in _CACHE_ARGS if inputs.get(name) is not None), None)
+        if isinstance(states, torch.Tensor):
+            if zero is None:
+                return None
+            return self._with_inputs(module, args, kwargs, {cross.states: states + zero.to(states.dtype)})
+        if not isinstance(text, torch.Tensor):
+            return None
+        batch, length = int(text.shape[0]), int(text.shape[1])
+        inner = self._inner()
+        dtype = getattr(inner, "dtype", None) or _dtype_of(module)  # the dtype the forward's own masks take
+        rows = torch.zeros(batch, 1, length, 1, dtype=dtype, device=device)
+        if owed or zero is not None:
+            hidden = int(module.config.hidden_size)
+            states = torch.zeros(batch, 1, hidden, dtype=zero.dtype if zero is not None else dtype, device=device)
+            if zero is not None:
+                states = states + zero
+            if cache is not None and hasattr(type(cache), "__weakref__"):
+                self._cross_caches.add(cache)  # its decode steps run the cross-attention layers: the row mask again
+            zeros = {cross.states: states, cross.mask: rows, cross.rows: rows}
+            return self._with_inputs(module, args, kwargs, zeros)
+        if cache is not None and cache in self._cross_caches:
+            return self._with_inputs(module, args, kwargs, {cross.rows: rows})
+        return None
+
+    @staticmethod
+    def _with_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], new: dict[str, Any]) -> Any:
+        """A forward pre-hook's ``(args, kwargs)`` with the inputs ``new`` set, by name, positional where ``args``
+        holds them."""
+        try:
+            names = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        positional, named = list(args), dict(kwargs)
+        for name, value in new.items():
+            index = names.index(name) if name in names else len(positional)
+            if index < len(positional):
+                positional[index] = value
+            else:
+                named[name] = value
+        return tuple(positional), named
 
 
 def _dtype_of(tower: nn.Module) -> torch.dtype:
@@ -977,29 +1079,42 @@ _OTHER_VISION_ARGS = ("flattened_patches",)
 
 
 def _unknown_vlm(model: nn.Module, mode: str) -> MixedBatches | None:
-    """A model that takes ``pixel_values*`` (or :data:`_OTHER_VISION_ARGS`) and has a vision tower, but no row in
-    :data:`FAMILIES`."""
+    """A model that takes media but has no row in :data:`FAMILIES`: the generic mechanism (:mod:`.replay`), or, for
+    a family refused by name (:mod:`.vlm_families.refused`: measured, neither path aligns it), the named error on
+    every rank. In mode ``off``, only a tower found by name is watched for calls outside the forward."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        return None
+        parameters = {}  # type: ignore[assignment]
     pixel_args = tuple(name for name in parameters if name.startswith("pixel_values") or name in _OTHER_VISION_ARGS)
-    if not pixel_args:
-        return None
-    for path, module in model.named_modules():
-        if path.rpartition(".")[2] in _TOWER_NAMES:
-            if mode == "off":
-                return MixedBatches(model, module, path, mode)
-            return _UnknownFamily(model, module, path, pixel_args)
-    return None
+    tower = next(
+        ((path, module) for path, module in model.named_modules() if path.rpartition(".")[2] in _TOWER_NAMES), None
+    )
+    if mode == "off":
+        return MixedBatches(model, tower[1], tower[0], mode) if tower is not None and pixel_args else None
+    refused = refusal({type(m).__name__ for m in model.modules()})
+    if refused is not None and pixel_args:
+        path, module = tower if tower is not None else ("", None)
+        return _UnknownFamily(model, module, path, pixel_args, refused)
+    from fsdp_compat.runtime.replay import Replayed, takes_media
+
+    return Replayed(model) if takes_media(model) else None
 
 
 class _UnknownFamily(MixedBatches):
     """No dummy is known: where ranks disagree on having vision input, fail on every rank with one clear error."""
 
-    def __init__(self, model: nn.Module, tower: nn.Module, path: str, pixel_args: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tower: nn.Module | None,
+        path: str,
+        pixel_args: tuple[str, ...],
+        refused: tuple[str, str],
+    ) -> None:
         super().__init__(model, tower, path, "sync")
         self.pixel_args = pixel_args
+        self.refused = refused  # (inner class, why neither a row nor the generic mechanism aligns it)
 
     def _begin(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not _forward_is_transformers(module) or not self._activate() or self._no_collectives():
@@ -1022,11 +1137,10 @@ class _UnknownFamily(MixedBatches):
         raise FsdpCompatError(
             f"fsdp-compat: mixed micro-batches: rank(s) {_ranks(counts, lambda c: c == 0)} have no "
             f"{'/'.join(self.pixel_args)} in this forward of {self.root_class} while rank(s) "
-            f"{_ranks(counts, bool)} do. Its vision tower ({self.path}) is sharded by FSDP2, so the ranks' "
-            "collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat has no dummy input "
-            f"for this model (it has one for {len(FAMILIES)} families: fsdp_compat.runtime.vlm_families.FAMILIES; "
-            "fsdp-compat's docs/families.md says why the others have none). Fix: give every micro-batch vision "
+            f"{_ranks(counts, bool)} do. Its vision tower ({self.path or 'the model'}) is sharded by FSDP2, so the "
+            "ranks' collectives would fall out of step (a gloo abort, an NCCL hang), and fsdp-compat cannot align "
+            f"{self.refused[0]}: {self.refused[1]} (docs/families.md). Fix: give every micro-batch vision "
             "input, or run the tower on a zero dummy in your forward when a micro-batch has none and add 0.0 * its "
-            "output to the input embeddings (as verl's VLM forwards do), or add a row for "
-            f"{self.root_class} to fsdp_compat.runtime.vlm_families.FAMILIES."
+            "output to the input embeddings (as verl's VLM forwards do), or register a row for "
+            f"{self.root_class} (fsdp_compat.register_family, docs/api.md)."
         )

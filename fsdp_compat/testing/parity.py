@@ -185,8 +185,6 @@ class Diff:
                 self.add(name, full_tensor(p), ref_params[name])
 
 
-
-
 def lm_loss(model: Any, batch: dict[str, Any]) -> Any:
     """A transformers-style model's loss: ``model(**batch).loss``."""
     return model(**batch).loss
@@ -326,7 +324,8 @@ def _train(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> RankResult:
 
 def runtime_counters(model: Any) -> dict[str, Any]:
     """What fsdp-compat's runtime did on this rank: the mixed-batch alignment's dummy vision- and audio-tower calls
-    and count exchanges (``mixed_batches``), and the run-time guard's unshards (``guard_unshards``, None without a
+    (a replayed media call counts as a dummy call), count exchanges and the generic mechanism's stops
+    (``mixed_batches``), and the run-time guard's unshards (``guard_unshards``, None without a
     guard)."""
     from fsdp_compat.runtime.mixed_batches import mixed_batches_of
 
@@ -338,6 +337,7 @@ def runtime_counters(model: Any) -> dict[str, Any]:
             "dummy_calls": sum(m.dummy_calls for m in installed),
             "audio_dummy_calls": sum(m.audio_dummy_calls for m in installed),
             "exchanges": sum(m.exchanges for m in installed),
+            "rounds": sum(getattr(m, "rounds", 0) for m in installed),  # the generic mechanism's stops
         },
         "guard_unshards": guard.unshards if guard is not None else None,
     }
@@ -376,9 +376,7 @@ def forget_image_positions(model: Any) -> None:
             module.rope_deltas = None
 
 
-def reference_backward(
-    reference: Any, batches: list[Any], *, loss: Callable[[Any, Any], Any] = lm_loss
-) -> list[Any]:
+def reference_backward(reference: Any, batches: list[Any], *, loss: Callable[[Any, Any], Any] = lm_loss) -> list[Any]:
     """One process training on all the ranks' micro-batches with the mean loss: ``(loss_r / W).backward()`` per
     micro-batch, accumulating into ``.grad`` (with W = 2 the halving is exact and the sum commutative: 0.0).
     ``loss(reference, batch)`` computes loss_r. Returns the per-micro-batch losses (unscaled). Each micro-batch

@@ -91,9 +91,14 @@ def test_the_table_has_no_family_transformers_does_not_have() -> None:
 
 
 def test_every_row_matches_a_discovered_family() -> None:
-    """By inner class, or by the submodule class that holds the tower (``row_of``: T5Gemma2's encoder)."""
+    """By inner class, or by the submodule class that holds the tower (``row_of``: T5Gemma2's encoder). A row of a
+    family the installed transformers does not have (none of its classes in ``transformers``: a 5.25 family on 5.24)
+    matches nothing here; its family's own env runs it (``families525``)."""
+    import transformers
+
     matched = {id(row_of(f)) for f in DISCOVERED}
-    assert [f.name for f in FAMILIES if id(f) not in matched] == []
+    installed = [f for f in FAMILIES if any(hasattr(transformers, c) for c in f.classes)]
+    assert [f.name for f in installed if id(f) not in matched] == []
 
 
 def _run(model: str, mode: str, variants: tuple[str, str] = ("image", "text"), steps: int = 2) -> RunResult:
@@ -129,8 +134,6 @@ def _assert_reordered(run: RunResult, dummies: list[int]) -> None:
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == dummies
     for r in run.ranks:
         assert r.losses == pytest.approx(r.extra["reference_losses"], rel=PARITY_TOL, abs=0.0)
-
-
 
 
 def _assert_no_further_than_all_image(model: str, eps_param: str = "") -> None:

@@ -225,5 +225,4 @@ def own_vlm(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
     fully_shard(model, mesh=mesh)
     _train(cfg, rank, extra, model, reference, mesh)
 
-
 CASES["own_vlm"] = own_vlm

@@ -210,6 +210,7 @@ _KINDS = {
     "position_patch_inputs": "positioned patches (Gemma4 unified)",
     "sized_inputs": "image_sizes (Pixtral)",
     "anyres_inputs": "any resolution, pinpoint tiles (LLaVA-Next)",
+    "aspect_tile_inputs": "tiles with aspect-ratio ids, cross-attention (Mllama)",
     "positioned_inputs": "patch rows with positions (Gemma4)",
     "naflex_inputs": "NaFlex patches (SigLIP2)",
     "tile_inputs": "tiles (Idefics3)",

@@ -10,7 +10,8 @@ job does without fsdp-compat (``FSDP_COMPAT=off``: plain FSDP2), then what it do
 - a dropped model is freed (weakref), whoever installed the layer (``apply_fsdp2``, ``install_runtime``, the
   generic layer);
 - the mixed micro-batch error that exists to prevent a hang reaches every rank at the first forward through the
-  generic layer (Mllama, image|text): plain FSDP2 aborts in a collective mismatch instead;
+  generic layer (Chameleon, a family the alignment refuses by name, image|text): plain FSDP2 aborts in a collective
+  mismatch instead;
 - after ``unshard()`` with ``reshard_after_forward=False``, a ``no_grad`` sample on rank 0 alone finishes as in
   plain FSDP2 (no exchange where FSDP2 issues no collective);
 - ``fully_shard(model)`` alone, image|text ranks: plain FSDP2 aborts (the root's reduce-scatter covers only the
@@ -86,7 +87,7 @@ def test_a_soak_that_rebuilds_the_model_keeps_memory_flat() -> None:
 
 @BREADTH  # the generic layer's error path is fsdp-compat's own code, the same on every torch
 def test_the_error_that_prevents_a_hang_reaches_every_rank_through_the_generic_layer() -> None:
-    cfg = {"model": "lab.vlms:mllama", "steps": 1, "variants": ["image", "text"][:WORLD_SIZE] * (WORLD_SIZE // 2)}
+    cfg = {"model": "lab.vlms:chameleon", "steps": 1, "variants": ["image", "text"][:WORLD_SIZE] * (WORLD_SIZE // 2)}
     env = {**ON, "FSDP_COMPAT_GENERIC": None}
     off = run_ranks("lab.every_root:own_trainer_rank", cfg, world_size=WORLD_SIZE, timeout_s=200, env={**env, **OFF})
     assert not off.ok and "FsdpCompatError" not in _errors(off), rank_output(off)
@@ -148,18 +149,20 @@ def test_an_optimizer_built_after_a_no_grad_first_forward_trains_like_one_proces
 def test_a_vlm_class_of_the_users_own_trains_exactly_once_its_row_is_registered(kinds: tuple[str, ...]) -> None:
     """``fsdp_compat.register_family`` (the family table's public door): a patch encoder and a decoder of
     the user's own, no transformers class. With its row, 0.0 against one process (the text rank runs one dummy
-    encoder call a step).
+    encoder call a step, the row's, not the generic mechanism's replay: no stop at the groups).
 
-    Unregistered, image|text ranks fall out of step exactly as without fsdp-compat (no alignment by
-    mechanism for a model without a row yet)."""
+    Without fsdp-compat, image|text ranks fall out of step (tests/runtime/test_mechanism.py: unregistered, the
+    generic mechanism aligns the same class)."""
     cfg = {"model": "lab.own_vlm:TINY", "variants": list(kinds), "shard": "own"}
     if len(kinds) > 1:
         # the encoder's and the decoder's blocks are the same size: the ranks' all-gathers pair up wrongly (unrelated
         # buffers mixed) and the run ends at the collective timeout, or gloo sees the sizes differ
-        unregistered = _run("own_vlm", {}, register=False, collective_timeout_s=15, **cfg)
-        text = _errors(unregistered)
-        assert not unregistered.ok and (GLOO_MISMATCH in text or "Timed out waiting" in text), text
+        off = _run("own_vlm", OFF, register=True, collective_timeout_s=15, **cfg)
+        text = _errors(off)
+        assert not off.ok and (GLOO_MISMATCH in text or "Timed out waiting" in text), text
     result = _run("own_vlm", {}, register=True, **cfg)
     assert_ranks_exact(result)
     expected = [2 if kinds[r % len(kinds)] == "text" else 0 for r in range(WORLD_SIZE)]
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == expected
+    # the row's path: no generic stops
+    assert [r.extra["mixed_batches"]["rounds"] for r in result.ranks] == [0] * WORLD_SIZE

@@ -140,23 +140,31 @@ def test_always_mode_gives_the_tower_zero_gradients_on_all_text_steps() -> None:
     assert run.ranks[0].extra["worst_param"].startswith("model.visual.")
 
 
-def test_vlm_outside_the_table_fails_on_every_rank_with_one_clear_error() -> None:
+def test_vlm_outside_the_table_trains_exactly_by_mechanism() -> None:
     """VipLLaVA with its row taken out of the table in the rank processes (``lab.wraps:auto_outside_the_table``: a
-    family the table cannot align): without alignment the collectives fall out of step; with it every rank raises the
-    same FsdpCompatError, naming the model class, the ranks and the fix, before any collective is issued."""
+    transformers family the table does not know): without alignment the collectives fall out of step; with it the
+    generic mechanism replays the image rank's vision-tower call on the text rank, and the step equals one process.
+    VipLLaVA reads several of the tower's hidden states and not its last layer's output, so the replay's gradients
+    reach only the layers the image rank's do. FSDP2 alone is not exact on VipLLaVA (it reorders sums: the all-image
+    run, no replay, is ~1e-8 off in gradients), so the image|text run is held to that run's distance, measured here
+    (the family table's rule, :data:`lab.families.MEASURED_FACTOR`)."""
+    import math
+
+    from lab.families import MEASURED_FACTOR
+
     outside = "lab.wraps:auto_outside_the_table"
     _assert_mismatch(_run("vipllava", IMAGE_AND_TEXT, mode="off", timeout_s=60.0, wrap=outside))
+    alone = _run("vipllava", ["image"] * len(IMAGE_AND_TEXT), wrap=outside)
+    alone.raise_for_error()
     run = _run("vipllava", IMAGE_AND_TEXT, wrap=outside)
-    assert not run.ok
-    for r in run.ranks:
-        exception = r.extra.get("exception", "")
-        assert exception.startswith("fsdp_compat.errors.FsdpCompatError: fsdp-compat: mixed"), r.error
-        text = r.error or ""
-        assert "VipLlavaForConditionalGeneration" in text
-        assert f"rank(s) {', '.join(map(str, range(1, WORLD)))} have no pixel_values" in text
-        assert "rank(s) 0 do" in text
-        assert "model.vision_tower" in text and "Fix:" in text
-
+    run.raise_for_error()
+    bound = (alone.max_rel_grad_diff, alone.max_rel_param_diff)
+    got = (run.max_rel_grad_diff, run.max_rel_param_diff)
+    assert all(math.isfinite(v) for v in (*bound, *got)), (bound, got)  # NaN fails
+    assert got[0] <= MEASURED_FACTOR * bound[0] and got[1] <= MEASURED_FACTOR * bound[1], (got, bound)
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in alone.ranks] == [0] * len(IMAGE_AND_TEXT)
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in run.ranks] == [0] + [2] * (WORLD - 1)
+    assert all(r.extra["mixed_batches"]["rounds"] > 0 for r in run.ranks)  # the mechanism's path, not a row's
 
 
 def test_family_table_rows_and_switch(monkeypatch: pytest.MonkeyPatch) -> None:

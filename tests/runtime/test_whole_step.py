@@ -87,7 +87,8 @@ def test_accumulation_image_then_text_crashes_then_sums_like_one_process(model: 
             print(f"rank {rank} sync={case['case']['sync']}: other order {case['other_order']:.2g}, "
                   f"backward after backward {case['one_backward']:.2g}")  # fmt: skip
             # each rank has one text micro-batch a step: one dummy there; one exchange per micro-batch
-            expected = {"installed": 1, "dummy_calls": STEPS, "audio_dummy_calls": 0, "exchanges": 2 * STEPS}
+            expected = {"installed": 1, "dummy_calls": STEPS, "audio_dummy_calls": 0, "exchanges": 2 * STEPS,
+                        "rounds": 0}  # fmt: skip (the table's path: no generic stops)
             assert case["mixed_batches"] == expected, rank
 
 

@@ -122,6 +122,10 @@ MORE_GRID_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily(
         "muse-spark", ("MuseSparkModel",), dummy=patch_grid_inputs, tower="vision_tower", audio=MUSE_SPARK_AUDIO
     ),
+    # transformers 5.25: a RICE-ViT tower (one frame per patch row, no temporal patch) and Ovis2.5's packed SigLIP
+    VisionFamily("llava-onevision1.5", ("LlavaOnevision15Model",), dummy=patch_grid_inputs),
+    # its forward encodes images and videos before it embeds the text: the dummies run first too
+    VisionFamily("ovis2.5", ("Ovis2_5Model",), dummy=patch_grid_inputs, tower="vision_tower", tower_first=True),
     VisionFamily(
         "nemotron-h-omni",
         ("NemotronH_Omni_Reasoning_V3",),

@@ -156,6 +156,27 @@ class PerImage:
 
 
 @dataclass(frozen=True)
+class CrossAttention:
+    """Where a cross-attention family's vision states reach the text model (Mllama): as keywords of the text model's
+    call, ``states`` (the projected states), ``mask`` (the additive cross-attention mask) and ``rows`` (the 0/1 mask of
+    text rows that see an image, which multiplies the cross-attention layers' MLP output), not as ``inputs_embeds``
+    features. The text model skips its cross-attention layers (FSDP2 groups of their own) where ``states`` is None.
+
+    So a rank that owes a dummy also runs those layers: just before the text model, the dummy's tower call (the tower
+    module itself, then the row's projector: such a family has no ``get_image_features``) joins as ``states`` of one
+    zero vision token per row (``0 * features``), with a zero additive ``mask`` and an all-zero ``rows``. Its keys and
+    values are then 0, so the attention output is 0, and the MLP output is multiplied by 0: each layer returns its
+    input exactly, and every parameter of those layers (and of the tower) gets a gradient of exactly 0, as in the
+    layers the text rank would have skipped. Where the text model is handed a cache (``generate``), the zero states
+    are cached as real ones would be, so the decode steps run those layers on every rank (the image ranks from their
+    cached states): there the row mask of a cache holding dummy states is all-zero again."""
+
+    states: str = "cross_attention_states"
+    mask: str = "cross_attention_mask"
+    rows: str = "full_text_row_masked_out_mask"
+
+
+@dataclass(frozen=True)
 class VisionFamily:
     """One row: the inner model classes of a VLM family, its vision inputs, and how to feed its tower a dummy.
 
@@ -173,6 +194,11 @@ class VisionFamily:
     ``video``: the family's video path where it differs from its image path (:class:`VideoTower`); ``inputs``
     then lists the image arguments only. ``per_image``: modules the forward runs once per image of a tower call
     (:class:`PerImage`: MiniCPM-V's merger MLPs); the dummy then packs as many images as the call it stands for.
+    ``cross_attention``: the vision states reach the text model as cross-attention keywords, not as ``inputs_embeds``
+    features (:class:`CrossAttention`: Mllama); the dummy calls the tower module, then ``projector``.
+    ``tower_first``: the forward calls the tower before it embeds the text (Ovis2.5), so a rank's dummies run at the
+    start of the inner model's forward, before the input embedding's all-gather (else, where the embedding is a
+    group of its own, the text rank gathers it while the image rank gathers the tower).
     """
 
     name: str
@@ -186,6 +212,8 @@ class VisionFamily:
     projected: str = "last_hidden_state"
     video: VideoTower | None = None
     per_image: PerImage | None = None
+    cross_attention: CrossAttention | None = None
+    tower_first: bool = False
 
 
 def _fixed(name: str, cls: str, tower: str = "vision_tower") -> VisionFamily:

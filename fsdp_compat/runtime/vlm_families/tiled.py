@@ -8,6 +8,7 @@ import torch
 
 from fsdp_compat.runtime.vlm_families.audio import GEMMA4_AUDIO
 from fsdp_compat.runtime.vlm_families.rows import (
+    CrossAttention,
     PerImage,
     VisionFamily,
     _channels,
@@ -124,6 +125,21 @@ def sam_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[st
     return {"pixel_values": torch.zeros(1, _channels(sam), side, side, dtype=dtype, device=device)}
 
 
+def aspect_tile_inputs(config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One zero image of one tile, padded to ``max_num_tiles`` tiles as the processor pads it, with its
+    ``aspect_ratio_ids`` (the id of the 1 x 1 aspect ratio) and ``aspect_ratio_mask`` (the first tile valid):
+    ``(1, 1, T, C, S, S)`` (Mllama: the aspect-ratio embeddings are laid out for ``max_num_tiles`` tiles, so every
+    image has that many, the padding ones masked)."""
+    vision = config.vision_config
+    side, tiles = _side(vision), int(vision.max_num_tiles)
+    ratios = [[int(h), int(w)] for h, w in vision.supported_aspect_ratios]
+    ratio_id = ratios.index([1, 1]) + 1 if [1, 1] in ratios else 1  # ids count from 1 (0: no image)
+    pixels = torch.zeros(1, 1, tiles, _channels(vision), side, side, dtype=dtype, device=device)
+    mask = _index([[[1] + [0] * (tiles - 1)]], torch.long, device)
+    return {"pixel_values": pixels, "aspect_ratio_ids": _index([[ratio_id]], torch.long, device),
+            "aspect_ratio_mask": mask}  # fmt: skip
+
+
 TILED_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("mistral3", ("Mistral3Model",), ("pixel_values",), sized_inputs, "vision_tower"),
     VisionFamily("idefics3", ("Idefics3Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
@@ -154,4 +170,14 @@ TILED_FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("step3p7", ("Step3p7Model",), ("pixel_values", "pixel_values_local"), fixed_inputs, "vision_model"),
     VisionFamily("idefics2", ("Idefics2Model",), ("pixel_values",), tile_inputs, "vision_model", "text_model"),
     VisionFamily("granite4_vision", ("Granite4VisionModel",), ("pixel_values",), anyres_inputs, "vision_tower"),
+    # cross-attention: the projected states reach the text model's cross-attention layers, not inputs_embeds
+    VisionFamily(
+        "mllama",
+        ("MllamaModel",),
+        ("pixel_values",),
+        aspect_tile_inputs,
+        "vision_model",
+        projector="multi_modal_projector",
+        cross_attention=CrossAttention(),
+    ),
 )

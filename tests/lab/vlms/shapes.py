@@ -58,7 +58,10 @@ _TEXT = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 37, "num_hid
 
 
 def _mllama() -> nn.Module:
-    """The tester's MllamaVisionText2TextModelTester sizes; cross-attention at text layer 1 of 2."""
+    """The tester's MllamaVisionText2TextModelTester sizes; cross-attention at text layer 1 of 2. Every tanh gate
+    (the cross-attention layers' attention and MLP gates, the vision tower's tile, position and global-layer gates)
+    drawn from U(-1, 1), not transformers' zero init: a trained checkpoint's gates are open, and a zero gate would
+    hide what the cross-attention layers add (the text rank's dummy states included) from the first step."""
     from transformers import MllamaConfig, MllamaForConditionalGeneration
 
     text = {**_TEXT, "model_type": "mllama_text_model", "cross_attention_layers": [1], "rope_scaling": None}
@@ -68,7 +71,13 @@ def _mllama() -> nn.Module:
               "num_global_layers": 2, "attention_heads": 4,
               "intermediate_size": 37, "max_num_tiles": 1, "supported_aspect_ratios": [[1, 1]]}  # fmt: skip
     config = MllamaConfig(text_config=text, vision_config=vision, image_token_index=10, tie_word_embeddings=False)
-    return MllamaForConditionalGeneration(eager(config))
+    model = MllamaForConditionalGeneration(eager(config))
+    gates = ("cross_attn_attn_gate", "cross_attn_mlp_gate", "gate", "gate_attn", "gate_ffn")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.rpartition(".")[2] in gates:
+                parameter.uniform_(-1.0, 1.0)
+    return model
 
 
 def _mllama_pixels(config: Any, g: torch.Generator, n: int) -> dict[str, torch.Tensor]:
@@ -459,9 +468,18 @@ MODELS: list[TinyVlm] = [
         _mllama,
         _mllama_pixels,
         tokens=1,
+        parity="reordered",
         note="cross-attention VLM: the vision states reach the text model's cross-attention layers as "
-        "cross_attention_states, and a micro-batch without an image skips those layers too (they are no "
-        "inputs_embeds feature a 0.0 dummy could join), so there is no row: every rank raises the named error",
+        "cross_attention_states, which a text-only micro-batch skips; the row's join point (CrossAttention) hands "
+        "the text rank's text model zero states of one vision token per row carrying the dummy tower call's 0.0 "
+        "term, a zero mask and an all-zero full_text_row_masked_out_mask, so those layers (FSDP2 groups) run on "
+        "every rank and return their input exactly (one process, the text batch: loss and every gradient "
+        "bitwise equal to the skipped layers', the tower's, projector's and cross-attention layers' gradients "
+        "exactly 0); generate on image|text ranks gives the text rank's tokens and scores torch.equal (its decode "
+        "steps from the zero states get the zero row mask again: without it 4.3e-03 off); within 1e-6 relative, "
+        "not 0.0: the aligned image/text run is 7.5e-09 off in gradients (embed_tokens), 6.4e-08 in parameters "
+        "after 2 AdamW steps, its all-image run, which needs no dummy, 1.5e-08 and 3.7e-08: FSDP2 reorders sums "
+        "(the tiny model's tanh gates open, U(-1, 1))",
     ),
     ShapeVlm(
         ("fuyu",),
