@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from fsdp_compat.runtime.lockstep import END, Report, settle
 
 
-def R(where: int, started: int = 0, running: bool = False) -> Report:  # noqa: N802 (a table's cell)
+def R(where: int, started: int = 0, running: bool = False) -> Report:  # a table's cell
     return Report(where, started, running)
 
 

@@ -4,7 +4,8 @@ table, nothing registered) keeps its ranks in step when their micro-batches diff
 Each case runs on 2 gloo ranks, fp32, each rank on its own micro-batch (images on rank 0, text only on rank 1 unless
 the case says otherwise), 2 AdamW steps, then a ``no_grad`` log-prob pass, against one process training on both
 micro-batches with the mean loss, the model sharded by a trainer's own ``fully_shard`` calls (fsdp-compat only
-through the installed ``.pth``: the generic layer). Without fsdp-compat (``FSDP_COMPAT=off``) the image|text runs fall out of step first.
+through the installed ``.pth``: the generic layer). Without fsdp-compat (``FSDP_COMPAT=off``) the image|text runs
+fall out of step first.
 """
 
 from __future__ import annotations
