@@ -35,7 +35,10 @@ class Replacement:
 
     ``optional``: skip it when the name does not exist (a selector only some releases ship). ``unless``: skip it
     when ``module`` has this attribute (a release that ships a better hook point, replaced by another row).
-    ``deferred``: do not import ``module``; replace the name when it is imported (now if it is loaded).
+    ``deferred``: do not import ``module``; replace the name when it is imported (now if it is loaded). A module
+    still being imported (the trigger was imported from inside it: transformers' ``core_model_loading`` imports
+    ``transformers.distributed.fsdp`` before it defines its loader) waits too: its name is replaced at the first
+    import the transaction watches after the module finished.
     ``when``: a condition checked when the transaction is applied, not when the table is declared (e.g. "the
     installed transformers is 5.x"); false: the replacement is left out of this transaction.
     A ``name`` of the form ``Class.attr`` replaces an attribute of a class defined in ``module`` (a method):
@@ -141,7 +144,7 @@ class Applied:
     policy: Policy
     bound: list[_Bound] = field(default_factory=list)
     repaired: list[tuple[ModuleType, Reexport, Any]] = field(default_factory=list)
-    pending: list[Replacement] = field(default_factory=list)  # deferred, their module not imported yet
+    pending: list[Replacement] = field(default_factory=list)  # deferred, their module not (wholly) imported yet
     warnings: list[str] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _active: bool = True
@@ -152,7 +155,7 @@ class Applied:
         """Ask the engine to call back when a declared importer or a deferred module is imported."""
         engine = hooks()
         names = {imp for rec in self.bound for imp in rec.replacement.importers}
-        names |= {rep.module for rep in self.pending}
+        names |= {name for rep in self.pending for name in (rep.module, *rep.importers)}
         for name in sorted(names):
             engine.watch(name, ("fsdp-compat patch", id(self)), self._on_import, now=False)
 
@@ -161,11 +164,12 @@ class Applied:
         with self._lock:
             if not self._active:
                 return
-            for rep in [r for r in self.pending if r.module == module.__name__]:
+            for rep in [r for r in self.pending if r.module == module.__name__ or _loaded(r.module)]:
                 self.pending.remove(rep)
+                owner = module if rep.module == module.__name__ else sys.modules[rep.module]
                 try:
-                    if not _skipped(rep, module):
-                        self.bound.append(_replace(rep, module, self.policy))
+                    if not _skipped(rep, owner):
+                        self.bound.append(_replace(rep, owner, self.policy))
                 except Exception as exc:
                     message = f"deferred replacement of {rep.target} failed: {type(exc).__name__}: {exc}"
                     self.warnings.append(message)
@@ -255,6 +259,12 @@ def _restore(rec: _Bound) -> list[str]:
     return left
 
 
+def _loaded(name: str) -> bool:
+    """Whether module ``name`` is imported and finished executing (not one still being imported)."""
+    module = sys.modules.get(name)
+    return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is not True
+
+
 def _skipped(rep: Replacement, module: ModuleType) -> bool:
     namespace = _namespace(module) or {}
     if rep.unless is not None and callable(namespace.get(rep.unless)):
@@ -291,7 +301,7 @@ def apply(patch: Patch, policy: Policy) -> Applied:
         for rep in patch.replacements:
             if not rep.applies():
                 continue
-            if rep.deferred and rep.module not in sys.modules:
+            if rep.deferred and not _loaded(rep.module):
                 applied.pending.append(rep)
                 continue
             module = sys.modules[rep.module]

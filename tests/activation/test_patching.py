@@ -324,3 +324,32 @@ def test_deferred_replacement_waits_for_its_module(fw: FakeFramework) -> None:
     assert imp1.call(2) == ("patched", ("patched", ("orig", 2)))
     adapter.unpatch()
     assert imp1.call(2) == ("orig", 2)
+
+
+def test_deferred_replacement_waits_for_a_module_still_importing(fw: FakeFramework) -> None:
+    """transformers' ``core_model_loading`` imports the adapter's trigger before it defines its loader: patched from
+    inside that import, a deferred replacement there waits until the module finished, then reaches it and its
+    by-name importers at the next import the transaction watches; unpatch restores both."""
+    pkg = fw.pkg
+    _write(
+        fw.root / pkg / "midway.py",
+        f"from {pkg} import utils\n\nutils.patch_now()\n\n\ndef call(x):\n    return ('orig', x)\n",
+    )
+    _write(fw.root / pkg / "later.py", f"from {pkg}.midway import call\n")
+
+    class Deferred(FakeAdapter):
+        def plan(self, distribution: str, version: Version) -> Patch:
+            late = Replacement(
+                f"{pkg}.midway", "call", lambda original, policy: tag(original), (f"{pkg}.later",), deferred=True
+            )
+            return Patch((*super().plan(distribution, version).replacements, late))
+
+    adapter = Deferred(fw)
+    fw.mod("utils").patch_now = adapter.patch
+    midway = fw.mod("midway")  # patched while midway runs, before it defines call
+    assert adapter.is_patched() and midway.call(1) == ("orig", 1)
+    assert any(f"{pkg}.midway.call (deferred" in line for line in adapter.describe())
+    later = fw.mod("later")
+    assert midway.call(1) == ("patched", ("orig", 1)) and later.call is midway.call
+    adapter.unpatch()
+    assert midway.call(1) == ("orig", 1) and later.call is midway.call

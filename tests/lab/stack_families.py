@@ -67,21 +67,21 @@ _TRANSFORMERS_5_10 = dict(
     vq_inputs=None,
 )  # fmt: skip
 
-#: transformers 5.25's native FSDP2 loading (``from_pretrained(dir, distributed_config=DistributedConfig(
+#: transformers 5.23 - 5.25's native FSDP2 loading (``from_pretrained(dir, distributed_config=DistributedConfig(
 #: fsdp_size=2))``) slices each checkpoint tensor to the rank's shard before the family's conversion ops run
 #: (huggingface/transformers#48519, open): where an op moves rows across the shard, a checkpoint in the original
 #: layout (``save_pretrained``'s default) loads other weights than a plain ``from_pretrained``. Measured with
 #: fsdp-compat off, before any step: Kimi K2.5's and Nemotron-H Omni's vision q/k/v 0.08 .. 0.13 apart (MistralLarge4
 #: and UnlimitedOcr the same), Molmo2's load raises ("Split on tensors destined for
 #: model.language_model.layers.1.self_attn.q_proj.weight", split_with_sizes [32, 16, 16] of 32), Inkling's too
-#: ("Interleave on tensors destined for model.language_model.layers.0.mlp.gate_proj.weight"). No run from there can
-#: be exact, whatever the batches. The families of :data:`NATIVE_OWN_LAYOUT` run there from a checkpoint in
-#: transformers' own layout (``save_pretrained(save_original_format=False)``: no conversion on load, equal weights);
-#: MistralLarge4 and UnlimitedOcr's kinds run Mistral3 and DeepSeek-OCR 2, which load right from the original layout.
+#: ("Interleave on tensors destined for model.language_model.layers.0.mlp.gate_proj.weight"). fsdp-compat's
+#: transformers adapter converts those weights whole, then shards them (every rank equals a plain load, 0.0:
+#: tests/stacks/transformers/test_original_layout.py), so every family runs there from the original layout:
+#: :data:`NATIVE_OWN_LAYOUT` (the families to run from transformers' own layout, ``save_pretrained(
+#: save_original_format=False)``) is empty. MistralLarge4 and UnlimitedOcr's kinds still run Mistral3 and
+#: DeepSeek-OCR 2, picked while those two loaded other weights.
 _NATIVE_LOADS_OTHER_WEIGHTS = dict(sized_inputs="mistral3", sam_inputs="lab.vlms:deepseek_ocr2")
-NATIVE_OWN_LAYOUT = frozenset(
-    {"lab.vlms:kimi_k25", "lab.vlms:nemotron_h_omni", "lab.vlms:molmo2", "lab.vlms:inkling_mm_model"}
-)
+NATIVE_OWN_LAYOUT: frozenset[str] = frozenset()
 
 #: transformers 5.18.0 (NeMo Automodel 0.7.0) lacks MistralLarge4, GraniteDocling, MiniCPM-OCR, Molmo2 and
 #: UnlimitedOcr (``ImportError: cannot import name '<Family>Config' from 'transformers'``), so MiniCPM-V 4.6 stands

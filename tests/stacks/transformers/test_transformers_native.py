@@ -161,10 +161,11 @@ def test_inexact_tower_kind_aborts_then_stays_within_fsdp2s_own_distance(name, t
 
 @BREADTH
 def test_original_layout_loads_other_vision_weights_upstream(tmp_path):
-    """Why :data:`~lab.stack_families.NATIVE_OWN_LAYOUT` families run from transformers' own layout
-    (huggingface/transformers#48519): fsdp-compat off, Kimi K2.5's checkpoint in its original layout loads other
-    vision q/k/v weights sharded than plainly, the same checkpoint in transformers' layout loads equal. When the first
-    assertion fails transformers has fixed its load: run those families from the original layout again."""
+    """The canary of the loader fsdp-compat replaces (huggingface/transformers#48519; the repair:
+    test_original_layout.py): fsdp-compat off, Kimi K2.5's checkpoint in its original layout loads other vision q/k/v
+    weights sharded than plainly, the same checkpoint in transformers' layout loads equal. When the first assertion
+    fails transformers has fixed its load: a release that changes ``convert_and_load_state_dict_in_model`` is left
+    alone by fingerprint; give it a row without the loader replacement (docs/stacks.md)."""
     name = "lab.vlms:kimi_k25"
     original = load_differences(name, save_tiny(name, tmp_path / "original"), env=OFF)
     own = load_differences(name, save_tiny(name, tmp_path / "own", original_format=False), env=OFF)
