@@ -84,7 +84,7 @@ def engine_rank(cfg: dict[str, Any], rank: int, extra: dict[str, Any]) -> None:
 
 def _install_main_shape() -> Any:
     """Main's engine shape under the real module's name (nothing has imported 0.9.5's), then the adapter."""
-    path = Path(__file__).with_name("tests/lab/stacks/llamafactory_main.py")
+    path = Path(__file__).with_name("llamafactory_main.py")
     spec = importlib.util.spec_from_file_location(FSDP2_MODULE, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
