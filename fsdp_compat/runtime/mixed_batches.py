@@ -350,7 +350,7 @@ class MixedBatches:
     def __init__(self, root: nn.Module, tower: nn.Module | None, path: str, mode: str) -> None:
         """``tower`` None: no tower is known before the forward runs (:mod:`.replay`); the root stands for it where
         the hooks ask whether FSDP2 manages it, and no tower call outside the forward is watched."""
-        self.root_class = type(root).__name__
+        self.root_class = _class_name(root)
         self._root = weakref.ref(root)
         self._tower = weakref.ref(root if tower is None else tower)
         self.path = path
@@ -504,6 +504,16 @@ class MixedBatches:
             if isinstance(module, FSDPModule):
                 note_unshard(root, module)
                 module.unshard()
+
+
+def _class_name(module: nn.Module) -> str:
+    """The user's name of ``module``'s class: ``fully_shard`` swaps in a subclass ``FSDP<name>`` of ``FSDPModule``
+    and the class (errors name the class the user wrote)."""
+    cls = type(module)
+    bases = [b for b in cls.__bases__ if b.__name__ != "FSDPModule"]
+    if cls.__name__.startswith("FSDP") and len(bases) == 1 and cls.__name__ == f"FSDP{bases[0].__name__}":
+        return bases[0].__name__
+    return cls.__name__
 
 
 def _enclosing_paths(root: nn.Module, tower: nn.Module) -> tuple[str, ...]:

@@ -374,7 +374,7 @@ class Replayed(MixedBatches):
             return  # the same media everywhere (or none): the same calls on every rank
         self._on = True
         self._device = _input_device(inputs, module)
-        self._media_names = tuple(sorted({n for n, v in inputs.items() if _is_media(n)} | set(media)))
+        self._media_names = tuple(sorted(set(_media_parameters(module) or ()) | set(media)))
         self._hook_groups(module)
         if media:
             self._media_ptrs = {p for t in _tensors(media) if (p := _storage(t)) is not None}
@@ -528,7 +528,7 @@ class Replayed(MixedBatches):
             if done.agreed:
                 return
             self._replays_made = True
-            source_calls = self._source_calls(done.source, calls)
+            source_calls = self._source_calls(done.source, calls, sorted(done.owed))
             me = self._rank()
             owed = done.owed.get(me)
             if owed is not None:
@@ -542,7 +542,7 @@ class Replayed(MixedBatches):
 
         return dist.get_rank()
 
-    def _source_calls(self, source: int | None, mine: list[MediaCall]) -> list[MediaCall]:
+    def _source_calls(self, source: int | None, mine: list[MediaCall], owing: list[int]) -> list[MediaCall]:
         """The source rank's calls of this round, on every rank (one broadcast over the host group)."""
         import torch.distributed as dist
 
@@ -551,7 +551,7 @@ class Replayed(MixedBatches):
         calls = box[0]
         unreplayable = [c for c in calls if c.unreplayable]
         if unreplayable:
-            self._raise_unreplayable(source, unreplayable[0])
+            self._raise_unreplayable(source, unreplayable[0], owing)
         return calls
 
     def _share_used(self, output: Any) -> None:
@@ -612,11 +612,13 @@ class Replayed(MixedBatches):
             "all-gathers would not pair (a gloo abort, an NCCL hang). " + self._fix()
         )
 
-    def _raise_unreplayable(self, source: int | None, call: MediaCall) -> None:
+    def _raise_unreplayable(self, source: int | None, call: MediaCall, owing: list[int]) -> None:
+        target = f"{call.path}.{call.method}" if call.path and call.method else call.path or call.method
         raise FsdpCompatError(
             f"fsdp-compat: mixed micro-batches: the ranks' micro-batches differ in their media inputs "
             f"({', '.join(call.media or self._media_names)}) in this forward of {self.root_class}; rank {source}'s "
-            f"media call {call.path or self.root_class} cannot be replayed on the other ranks: it takes "
+            f"media call {target or self.root_class} cannot be replayed on rank(s) {', '.join(map(str, owing))}, "
+            "which lack it: it takes "
             f"{call.unreplayable}, so their FSDP2 collectives would not pair (a gloo abort, an NCCL hang). "
             + self._fix()
         )

@@ -91,10 +91,14 @@ def test_a_model_that_runs_its_own_dummy_gets_no_second_call() -> None:
 @pytest.mark.parametrize(
     ("model", "why"),
     [
-        ("lab.mechanism:LOOPED", "about to run different FSDP2 groups"),
+        (
+            "lab.mechanism:LOOPED",
+            "different FSDP2 groups (rank 0: encoder.blocks.0 (1 media call(s) started); rank 1: decoder.blocks.0)",
+        ),
         (
             "lab.mechanism:TAGGED",
-            "cannot be replayed on the other ranks: it takes an argument of type lab.mechanism.Tag",
+            "call tagged cannot be replayed on rank(s) 1, which lack it: it takes an argument of type "
+            "lab.mechanism.Tag",
         ),
     ],
     ids=["blocks-in-its-own-forward", "an-object-of-its-own"],
@@ -107,7 +111,8 @@ def test_a_medium_that_cannot_be_replayed_is_a_named_error_on_every_rank(model: 
     for rank in result.ranks:
         text = rank.error or ""
         assert "FsdpCompatError" in text and why in text, rank_output(result)
-        assert "register_family" in text and type_name(model) in text, text
+        assert "register_family" in text and f"in this forward of {type_name(model)}" in text, text
+        assert "media inputs (pixel_values)" in text, text
 
 
 def type_name(model: str) -> str:
