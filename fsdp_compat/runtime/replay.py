@@ -415,7 +415,9 @@ class Replayed(MixedBatches):
             if path.count(".") >= _MAX_DEPTH:
                 continue
             if path:  # the root's own call takes the text too
-                pre = module.register_forward_pre_hook(marked(self._on_call), with_kwargs=True)
+                # first of its pre-hooks: a module that is an FSDP2 group itself (torchtitan's encoder) records its
+                # call before the stop at its all-gather reports
+                pre = module.register_forward_pre_hook(marked(self._on_call), with_kwargs=True, prepend=True)
                 post = module.register_forward_hook(marked(self._on_return), always_call=True)
                 self._record_handles += [pre, post]
             for name in FEATURE_METHODS:

@@ -3,6 +3,8 @@ family table, aligned (or refused by name) by the generic mechanism alone.
 
 ``lab.own_vlm``'s :class:`~lab.own_vlm.OwnVlm` is the plain case. Here, the inputs that must not break it:
 
+* :class:`DirectVlm` calls its encoder module directly (no features method): with the encoder one FSDP2 group, the
+  media call is a group itself;
 * :class:`SelfDummyVlm` runs its encoder on a zero image itself when a micro-batch has none (as verl's and VeOmni's
   own VLM forwards do): the mechanism must not add a second call;
 * :class:`LoopedVlm` runs its encoder's blocks one by one in its own forward (no module call holds the whole
@@ -13,8 +15,9 @@ family table, aligned (or refused by name) by the generic mechanism alone.
   replay must give the last block no gradient either.
 
 ``cfg["shard"]``: ``blocks`` (every block, then the root: a trainer's own rule), ``embed`` (the embedding too, which
-runs before the encoder), ``decoder`` (the decoder's blocks only: the encoder lives in the root's group) or ``root``
-(one ``fully_shard(model)``).
+runs before the encoder), ``unit`` (the encoder one group, as torchtitan shards its vision encoder: the media call is
+a group itself), ``decoder`` (the decoder's blocks only: the encoder lives in the root's group) or ``root`` (one
+``fully_shard(model)``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from fsdp_compat.testing.parity import init_group
 from lab.contract import _mesh, _train
 from lab.own_vlm import IMAGE_TOKEN, PATCH, PATCHES, TINY, Output, OwnVlm
 
-__all__ = ["LOOPED", "PARTIAL", "SELF_DUMMY", "TAGGED", "mechanism_rank"]
+__all__ = ["DIRECT", "LOOPED", "PARTIAL", "SELF_DUMMY", "TAGGED", "mechanism_rank"]
 
 
 class SelfDummyVlm(OwnVlm):
@@ -51,6 +54,17 @@ class SelfDummyVlm(OwnVlm):
         logits = self.head(self.decoder(inputs_embeds=embeds))
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         return Output(loss, logits)
+
+
+class DirectVlm(SelfDummyVlm):
+    """Calls its encoder module directly (no features method), as torchtitan's Qwen3.5 does."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, pixel_values: torch.Tensor | None = None) -> Any:
+        embeds = self.embed(input_ids)
+        if pixel_values is not None:
+            mask = (input_ids == IMAGE_TOKEN).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(mask, self.encoder(pixel_values))
+        return self._finish(embeds, labels)
 
 
 class LoopedVlm(SelfDummyVlm):
@@ -142,16 +156,17 @@ class _Zoo:
 
 
 SELF_DUMMY = _Zoo(SelfDummyVlm)
+DIRECT = _Zoo(DirectVlm)
 LOOPED = _Zoo(LoopedVlm)
 TAGGED = _Zoo(TaggedVlm)
 PARTIAL = _Zoo(PartialVlm)
 
 
 def _shard(model: nn.Module, how: str, mesh: Any) -> None:
-    encoder = model.encoder.blocks if how in ("blocks", "embed") else []
+    encoder = model.encoder.blocks if how in ("blocks", "embed") else [model.encoder] if how == "unit" else []
     if how == "embed":
         fully_shard(model.embed, mesh=mesh)
-    if how in ("blocks", "embed", "decoder"):
+    if how in ("blocks", "embed", "decoder", "unit"):
         for module in [*encoder, *model.decoder.blocks]:
             fully_shard(module, mesh=mesh)
     elif how != "root":

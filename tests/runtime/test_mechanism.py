@@ -75,6 +75,16 @@ def test_a_tower_output_the_forward_does_not_read_gets_no_gradient_on_the_replay
     assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, 2]
 
 
+def test_an_encoder_that_is_one_group_and_called_directly_is_replayed() -> None:
+    """The encoder one FSDP2 group and called as a module (no features method), as torchtitan shards and calls its
+    vision encoder: the call is recorded before the stop at its own all-gather reports."""
+    off = _run("lab.mechanism:DIRECT", "unit", ("image", "text"), OFF, collective_timeout_s=15)
+    assert _falls_out_of_step(off), rank_output(off)
+    result = _run("lab.mechanism:DIRECT", "unit", ("image", "text"), {})
+    assert_ranks_exact(result)
+    assert [r.extra["mixed_batches"]["dummy_calls"] for r in result.ranks] == [0, 2]
+
+
 @BREADTH
 def test_image_ranks_make_no_replay_and_no_stop() -> None:
     """image|image: the same media on every rank (equal digests), so the forward-start exchange is all there is."""
