@@ -1102,7 +1102,7 @@ def _unknown_vlm(model: nn.Module, mode: str) -> MixedBatches | None:
     )
     if mode == "off":
         return MixedBatches(model, tower[1], tower[0], mode) if tower is not None and pixel_args else None
-    refused = refusal({type(m).__name__ for m in model.modules()})
+    refused = refusal({cls.__name__ for m in model.modules() for cls in type(m).__mro__})  # FSDP2's subclasses too
     if refused is not None and pixel_args:
         path, module = tower if tower is not None else ("", None)
         return _UnknownFamily(model, module, path, pixel_args, refused)

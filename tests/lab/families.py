@@ -16,21 +16,29 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "DOC_TRANSFORMERS",
     "MEASURED_FACTOR",
+    "PATHS",
     "STATUSES",
     "DiscoveredVlm",
     "assert_held",
     "counts_sentence",
     "discover_vlms",
     "family_note",
+    "family_path",
     "family_status",
     "held_param_bound",
     "parity_of",
+    "refused_of",
     "row_of",
     "table_markdown",
     "write_doc",
     "zoo_model",
 ]
+
+#: The transformers release docs/families.md is written for: the newest the package supports (the README installs
+#: it). :func:`write_doc` refuses another; the families test compares the doc only on it (``tox -e families525``).
+DOC_TRANSFORMERS = "5.25.0"
 
 #: How far an aligned image|text run may be from one process, as a multiple of the family's all-image run's distance
 #: (measured in the same test). Not 1: the two runs train on different micro-batches on rank 1, so FSDP2's reordered
@@ -138,6 +146,12 @@ def discover_vlms() -> list[DiscoveredVlm]:
 #: A family's mixed-batch status, as docs/families.md spells it (the first words of its status cell).
 STATUSES = ("trains", "row, not run", "named error", "not covered", "needs images")
 
+#: Which path aligns a family, as docs/families.md's path column spells it: its row in the family table, the generic
+#: mechanism (no row; :mod:`fsdp_compat.runtime.replay`), the named error (refused by name in
+#: :mod:`fsdp_compat.runtime.vlm_families.refused`), or none (not covered: no run measures one; needs images: the
+#: model itself cannot take a text-only micro-batch).
+PATHS = ("row", "mechanism", "named error", "none")
+
 
 def row_of(found: DiscoveredVlm) -> Any:
     """The family's row in :data:`fsdp_compat.runtime.mixed_batches.FAMILIES` (by inner class), or None."""
@@ -182,9 +196,18 @@ def tiny_of(found: DiscoveredVlm) -> Any:
     return next((tiny_models()[t] for t in found.model_types if t in tiny_models()), None)
 
 
+def refused_of(found: DiscoveredVlm) -> str | None:
+    """The one-line reason :data:`fsdp_compat.runtime.vlm_families.refused.REFUSED` gives for the family's inner (or
+    outer) class, else None."""
+    from fsdp_compat.runtime.vlm_families.refused import REFUSED
+
+    return REFUSED.get(found.inner) or REFUSED.get(found.outer)
+
+
 def family_status(found: DiscoveredVlm) -> str:
-    """A row and a zoo model: ``trains`` (the families test runs it); a row only: ``row, not run``; a zoo model
-    only: ``named error`` (the families test runs it); neither: ``not covered``; a tiny model whose forward cannot
+    """A zoo model and a path that aligns it: ``trains`` (the families test runs it; :func:`family_path` says whether
+    its row or the generic mechanism); a row only: ``row, not run``; a zoo model and refused by name: ``named error``
+    (the families test runs it); neither a row nor a zoo model: ``not covered``; a tiny model whose forward cannot
     take a text-only micro-batch and that fsdp-compat cannot name (``ShapeVlm.named`` False): ``needs images``."""
     row, zoo = row_of(found), zoo_model(found)
     tiny = tiny_of(found)
@@ -192,7 +215,20 @@ def family_status(found: DiscoveredVlm) -> str:
         return STATUSES[4]  # its forward cannot take a text-only micro-batch, and fsdp-compat cannot name it
     if row is not None:
         return STATUSES[0] if zoo else STATUSES[1]
-    return STATUSES[2] if zoo else STATUSES[3]
+    if zoo is None:
+        return STATUSES[3]
+    return STATUSES[2] if refused_of(found) is not None else STATUSES[0]
+
+
+def family_path(found: DiscoveredVlm) -> str:
+    """Which path aligns the family (:data:`PATHS`): ``row`` where it has one, ``named error`` where it is refused,
+    ``mechanism`` where a tiny model trains without either (measured by the families test), else ``none``."""
+    status = family_status(found)
+    if row_of(found) is not None:
+        return PATHS[0]
+    if status == STATUSES[2]:
+        return PATHS[2]
+    return PATHS[1] if status == STATUSES[0] else PATHS[3]
 
 
 _KINDS = {
@@ -234,7 +270,15 @@ _ZOO_NOTES = {
 }
 
 
-#: Notes of families without the alignment's shape that have no tiny model (read from transformers 5.24's code, not
+#: Why a family the generic mechanism aligns has no row (the mechanism's own run is the test's, said by the note).
+_MECHANISM_NOTES = {
+    "kosmos-2.5": "no row: the text model is called with input_ids and the features as image_embeds, which it places "
+    "itself (image_embeds_position_mask), so a row's 0.0 * features has no inputs_embeds to join; the text rank "
+    "replays the image rank's get_image_features call (vision_model, then image_to_text_projection) and joins "
+    "(t * 0).sum() of its outputs to the next FSDP2 group's first input",
+}
+
+#: Notes of families without the alignment's shape that have no tiny model (read from transformers 5.25's code, not
 #: run): what they are, and why a text-only micro-batch differs.
 _SHAPE_NOTES = {
     "apertus1p5": "not run: a VQ image tokenizer (vision_tokenizer) that get_image_tokens runs once per image, each "
@@ -248,15 +292,19 @@ _SHAPE_NOTES = {
     "evolla": "not a vision model: protein sequences (a SaProt encoder) and text; no image input",
     "pi0": "not a trainable VLM of this kind: a robotics action policy (a PaliGemma VLM, PI0Model.vlm, and an action "
     "expert) whose samples carry camera images",
+    "pi05": "not a trainable VLM of this kind: a robotics action policy (a PaliGemma VLM, PI05Model.vlm, and a "
+    "DiT action expert, PI05Model.dit) whose samples carry camera images",
     "mistral4": "not a vision model: Mistral4ForCausalLM is a text-only causal LM (no pixel input) registered under "
     "image-text-to-text",
 }
 
 
 def family_note(found: DiscoveredVlm) -> str:
-    """The family's note in docs/families.md: why it has the status it has."""
+    """The family's note in docs/families.md: why it has the status it has. A named error's: the one-line reason
+    :mod:`fsdp_compat.runtime.vlm_families.refused` gives (the runtime's error says the same), then its tiny model's
+    longer note where it has one."""
 
-    status, row = family_status(found), row_of(found)
+    status, row, path = family_status(found), row_of(found), family_path(found)
     tiny = tiny_of(found)
     own = tiny.note if tiny is not None else _ZOO_NOTES.get(found.name, "")
     gap = found.shape_gap()
@@ -264,24 +312,38 @@ def family_note(found: DiscoveredVlm) -> str:
         bound = {"reordered": "within 1e-6 relative", "measured": "no further off than its all-image run"}.get(
             parity_of(found), "0.0"
         )
-        env = getattr(tiny, "env", "families524")  # the timm towers run beside torchvision (families524-timm)
-        ran = f"image and text ranks: gloo abort unaligned, {bound} aligned ({env})"
-        ran = f"{ran}; {own}" if own else ran
+        env = getattr(tiny, "env", "families525")  # the timm towers run beside torchvision (families524-timm)
+        if path == PATHS[1]:
+            if found.name not in _MECHANISM_NOTES:
+                raise ValueError(f"{found.name}: a family the mechanism aligns needs a note saying why it has no row")
+            # the tiny model's own note predates the mechanism (it said why no row and no dummy): this one replaces it
+            ran = f"image and text ranks: gloo abort unaligned, {bound} aligned by the generic mechanism ({env})"
+            ran = f"{ran}; {_MECHANISM_NOTES[found.name]}"
+        else:
+            ran = f"image and text ranks: gloo abort unaligned, {bound} aligned ({env})"
+            ran = f"{ran}; {own}" if own else ran
         return f"{ran} (shape: {gap})" if gap else ran
     if status == STATUSES[1]:
         return f"the row of its tower kind ({row.dummy.__name__}); no tiny model, so no run asserts it"
-    if status in (STATUSES[2], STATUSES[4]):
+    if status == STATUSES[2]:
+        refused = f"refused by name: {refused_of(found)}"
+        note = f"{refused}; {own}" if own else refused
+        return f"{note} (shape: {gap})" if gap else note
+    if status == STATUSES[4]:
         if not own:
-            raise ValueError(f"{found.name}: a named-error family needs a note saying why no dummy exists")
+            raise ValueError(f"{found.name}: a needs-images family needs a note saying why")
         return f"{own} (shape: {gap})" if gap else own
     if gap and found.name in _SHAPE_NOTES:
         return f"{gap}; {_SHAPE_NOTES[found.name]}"
-    return gap or (own or "no row or tiny model yet; at run time the mixed-batch FsdpCompatError (untested here)")
+    return gap or (own or "no row or tiny model yet; at run time the generic mechanism (untested here)")
 
 
 def table_markdown(found: list[DiscoveredVlm]) -> str:
-    """docs/families.md's table: one line per family (model types, inner class, tower, status, note)."""
-    lines = ["| family (model types) | inner class | tower: attribute, kind | status | note |", "|---|---|---|---|---|"]
+    """docs/families.md's table: one line per family (model types, inner class, tower, path, status, note)."""
+    lines = [
+        "| family (model types) | inner class | tower: attribute, kind | path | status | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for f in found:
         row = row_of(f)
         builder = getattr(row.dummy, "__name__", "") if row else ""
@@ -289,7 +351,8 @@ def table_markdown(found: list[DiscoveredVlm]) -> str:
         attr = f.tower or (row.tower if row else None)  # a row names the tower discovery cannot see (Fuyu, Emu3)
         tower = f"`{attr}`" + (f", {kind}" if kind else "") if attr else "none"
         types = ", ".join(f"`{t}`" for t in f.model_types)
-        lines.append(f"| {types} | `{f.inner}` | {tower} | {family_status(f)} | {family_note(f)} |")
+        note = family_note(f).replace("|", "\\|")  # a note's "image|text" is no cell border
+        lines.append(f"| {types} | `{f.inner}` | {tower} | {family_path(f)} | {family_status(f)} | {note} |")
     return "\n".join(lines)
 
 
@@ -298,20 +361,29 @@ def counts_sentence(found: list[DiscoveredVlm]) -> str:
     import transformers
 
     by = {s: sum(family_status(f) == s for f in found) for s in STATUSES}
+    paths = {p: sum(family_status(f) == STATUSES[0] and family_path(f) == p for f in found) for p in PATHS[:2]}
     shaped = sum(family_status(f) == STATUSES[3] and f.has_tower_and_text for f in found)
     types = sum(len(f.model_types) for f in found)
+    said = {s: f"{n} {s}" for s, n in by.items()}
+    said[STATUSES[0]] += f" ({paths['row']} by a row, {paths['mechanism']} by the generic mechanism)"
     return (
         f"Count on transformers {transformers.__version__}: {len(found)} families ({types} model types): "
-        + ", ".join(f"{n} {s}" for s, n in by.items())
+        + ", ".join(said.values())
         + f" ({shaped} of the not covered with the alignment's shape, {by[STATUSES[3]] - shaped} without)."
     )
 
 
 def write_doc(path: str) -> None:
-    """Rewrite the table and the counts sentence of docs/families.md from the code (``python -m lab.families``)."""
+    """Rewrite the table and the counts sentence of docs/families.md from the code (``python -m lab.families``), on
+    :data:`DOC_TRANSFORMERS` only."""
     import re
     from pathlib import Path
 
+    import transformers
+
+    if transformers.__version__ != DOC_TRANSFORMERS:
+        raise SystemExit(f"docs/families.md is written for transformers {DOC_TRANSFORMERS}, not "
+                         f"{transformers.__version__}: run it in that env (tox -e families525's)")  # fmt: skip
     found = discover_vlms()
     text = Path(path).read_text()
     start = text.index("| family (model types) |")
