@@ -265,6 +265,14 @@ def _loaded(name: str) -> bool:
     return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", False) is not True
 
 
+def _defined(rep: Replacement) -> bool:
+    """Whether ``rep``'s module, even one still being imported, already defines the name it replaces (the first part
+    of ``Class.attr``): then it is replaced now, as a loaded module's would be (verl's GLM4V forward module imports
+    the trigger after defining what is repaired); a name not defined yet waits for the module to finish."""
+    namespace = _namespace(sys.modules.get(rep.module))
+    return namespace is not None and rep.name.partition(".")[0] in namespace
+
+
 def _skipped(rep: Replacement, module: ModuleType) -> bool:
     namespace = _namespace(module) or {}
     if rep.unless is not None and callable(namespace.get(rep.unless)):
@@ -301,7 +309,7 @@ def apply(patch: Patch, policy: Policy) -> Applied:
         for rep in patch.replacements:
             if not rep.applies():
                 continue
-            if rep.deferred and not _loaded(rep.module):
+            if rep.deferred and not _loaded(rep.module) and not _defined(rep):
                 applied.pending.append(rep)
                 continue
             module = sys.modules[rep.module]
