@@ -353,3 +353,26 @@ def test_deferred_replacement_waits_for_a_module_still_importing(fw: FakeFramewo
     assert midway.call(1) == ("patched", ("orig", 1)) and later.call is midway.call
     adapter.unpatch()
     assert midway.call(1) == ("orig", 1) and later.call is midway.call
+
+
+def test_deferred_replacement_of_a_name_defined_before_the_trigger_import_is_made_at_once(fw: FakeFramework) -> None:
+    """verl's GLM4V forward module defines what is repaired, then (through verl's imports) the adapter's trigger:
+    patched from inside that import, the name already exists, so it is replaced at once, as in a loaded module (no
+    later import would reach it); unpatch restores it."""
+    pkg = fw.pkg
+    _write(
+        fw.root / pkg / "defined_first.py",
+        f"def call(x):\n    return ('orig', x)\n\n\nfrom {pkg} import utils  # noqa: E402\n\nutils.patch_now()\n",
+    )
+
+    class Deferred(FakeAdapter):
+        def plan(self, distribution: str, version: Version) -> Patch:
+            late = Replacement(f"{pkg}.defined_first", "call", lambda original, policy: tag(original), deferred=True)
+            return Patch((*super().plan(distribution, version).replacements, late))
+
+    adapter = Deferred(fw)
+    fw.mod("utils").patch_now = adapter.patch
+    module = fw.mod("defined_first")  # patched while it runs, after it defined call
+    assert adapter.is_patched() and module.call(1) == ("patched", ("orig", 1))
+    adapter.unpatch()
+    assert module.call(1) == ("orig", 1)
