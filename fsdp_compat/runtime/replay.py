@@ -327,7 +327,6 @@ class Replayed(MixedBatches):
     def __init__(self, root: nn.Module) -> None:
         super().__init__(root, None, "", "sync")
         self.rounds = 0
-        self._text_only = False
         self._on = False  # this forward's media differ: stop at every group and at the end
         self._group_index: dict[int, int] = {}  # id(group module) -> its index (named_modules order)
         self._group_handles: list[Any] = []
@@ -633,10 +632,3 @@ class Replayed(MixedBatches):
             index = self._group_index.get(id(module))
             if index is not None and path:
                 yield path, index
-
-
-def _install(root: nn.Module) -> Replayed | None:
-    """The generic alignment for ``root``, where it takes media (else None)."""
-    if not takes_media(root):
-        return None
-    return Replayed(root)
