@@ -249,70 +249,43 @@ def _outputs(value: Any) -> Any:
     return ()
 
 
-def _add_zero(value: Any, zero: torch.Tensor) -> tuple[Any, bool]:
-    """``value`` with ``zero`` added to its first floating tensor that requires grad (depth first), and whether one
-    was found."""
+def _add_zero(value: Any, zero: torch.Tensor, everywhere: bool = False) -> tuple[Any, bool]:
+    """``value`` with ``zero`` added to its first floating tensor that requires grad (depth first), or to every one
+    of them (``everywhere``: a root's output, so that whichever the loss is computed from carries it), and whether
+    one was found."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.requires_grad:
             return value + zero.to(value.dtype), True
-        return value, False
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-        for i, item in enumerate(items):
-            items[i], done = _add_zero(item, zero)
-            if done:
-                return (type(value)(items) if type(value) in (list, tuple) else type(value)(*items)), True
-        return value, False
-    if isinstance(value, dict):
-        for key in list(value):
-            new, done = _add_zero(value[key], zero)
-            if done:
-                if type(value) is dict:
-                    return {**value, key: new}, True
-                value[key] = new  # a ModelOutput: item and attribute together
-                return value, True
         return value, False
     fields = getattr(value, "__dataclass_fields__", None)
-    if fields:
-        import dataclasses
-
-        for name in fields:
-            new, done = _add_zero(getattr(value, name, None), zero)
-            if done:
-                return dataclasses.replace(value, **{name: new}), True
-    return value, False
-
-
-def _add_zero_everywhere(value: Any, zero: torch.Tensor) -> tuple[Any, bool]:
-    """``value`` with ``zero`` added to every floating tensor of it that requires grad (a root's output: whichever
-    the loss is computed from carries it), and whether there was one."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.requires_grad:
-            return value + zero.to(value.dtype), True
-        return value, False
-    if isinstance(value, (list, tuple)):
-        pairs = [_add_zero_everywhere(v, zero) for v in value]
-        items = [v for v, _ in pairs]
-        new = type(value)(items) if type(value) in (list, tuple) else type(value)(*items)
-        return new, any(done for _, done in pairs)
-    if isinstance(value, dict):
+    if isinstance(value, (list, tuple, dict)) or fields:
+        if isinstance(value, dict):
+            keys: list[Any] = list(value)
+            items = [value[k] for k in keys]
+        elif fields:
+            keys = list(fields)
+            items = [getattr(value, k, None) for k in keys]
+        else:
+            keys, items = list(range(len(value))), list(value)
         found = False
-        updates = {}
-        for key, item in value.items():
-            updates[key], done = _add_zero_everywhere(item, zero)
+        for i, item in enumerate(items):
+            items[i], done = _add_zero(item, zero, everywhere)
             found |= done
-        if type(value) is dict:
-            return updates, found
-        for key, item in updates.items():
-            value[key] = item  # a ModelOutput: item and attribute together
-        return value, found
-    fields = getattr(value, "__dataclass_fields__", None)
-    if fields:
-        import dataclasses
+            if done and not everywhere:
+                break
+        if not found:
+            return value, False
+        if isinstance(value, dict):
+            if type(value) is dict:
+                return dict(zip(keys, items, strict=True)), True
+            for key, item in zip(keys, items, strict=True):
+                value[key] = item  # a ModelOutput: item and attribute together
+            return value, True
+        if fields:
+            import dataclasses
 
-        pairs = {name: _add_zero_everywhere(getattr(value, name, None), zero) for name in fields}
-        if any(done for _, done in pairs.values()):
-            return dataclasses.replace(value, **{name: v for name, (v, _) in pairs.items()}), True
+            return dataclasses.replace(value, **dict(zip(keys, items, strict=True))), True
+        return (type(value)(items) if type(value) in (list, tuple) else type(value)(*items)), True
     return value, False
 
 
@@ -505,7 +478,7 @@ class Replayed(MixedBatches):
         self._stop_recording()
         if pending is None:
             return None
-        joined, done = _add_zero_everywhere(output, pending)
+        joined, done = _add_zero(output, pending, everywhere=True)
         if not done:
             raise FsdpCompatError(
                 f"fsdp-compat: mixed micro-batches: {self.root_class}'s output has no floating tensor that requires "
